@@ -1,0 +1,54 @@
+# The README's commands. Everything runs inside .venv, created on first use.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+PYTHON := $(BIN)/python
+# CPU wheel of torch that lies on our machines; pyproject.toml admits any torch >= 2.4 (e.g. a CUDA build).
+TORCH_PIN ?= torch==2.13.0
+DATA ?= data/sim_kitti
+export MALLOC_MMAP_MAX_ ?= 0
+
+.PHONY: setup sysdeps train test test-all data kernels kernels-cuda bench lint clean
+
+$(VENV)/.stamp: pyproject.toml
+	@command -v $(PY) >/dev/null || { echo "error: $(PY) not found (set PY=python3.x)"; exit 1; }
+	@$(MAKE) --no-print-directory sysdeps
+	test -x $(PYTHON) || $(PY) -m venv $(VENV)
+	$(PYTHON) -m pip install -q --upgrade pip
+	$(PYTHON) -m pip install -q "$(TORCH_PIN)"
+	$(PYTHON) -m pip install -q -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.stamp
+
+# open3d needs libusb-1.0 at import time; fresh machines lack it.
+sysdeps:
+	@if ! ldconfig -p 2>/dev/null | grep -q libusb-1.0.so.0; then \
+	  echo "installing libusb-1.0-0 (needed by open3d)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libusb-1.0-0 >/dev/null; \
+	fi
+
+$(DATA)/ImageSets/train.txt: | setup
+	$(PYTHON) scripts/make_dataset.py out=$(DATA)
+
+data: $(DATA)/ImageSets/train.txt
+
+# The main job: sample data, then its summary (training and evaluation land with issues 5 and 6).
+train: setup data
+	$(PYTHON) scripts/inspect_dataset.py root=$(DATA)
+
+test: setup
+	$(PYTHON) -m pytest -q -m "not slow"
+
+test-all: setup
+	$(PYTHON) -m pytest -q
+
+kernels: setup
+	$(PYTHON) -c "from detector.ops import _library; _library.load(verbose=True)"
+
+lint: setup
+	$(BIN)/ruff check detector scripts tests
+
+clean:
+	rm -rf $(VENV) build .pytest_cache
