@@ -1,0 +1,458 @@
+"""Reading and writing the KITTI object-detection layout.
+
+```
+ROOT/ImageSets/{train,val,test}.txt         frame ids, one per line
+ROOT/training/velodyne/%06d.bin             float32 x, y, z, reflectance (LiDAR frame)
+ROOT/training/label_2/%06d.txt              15 fields per object (16 with a score in result files)
+ROOT/training/calib/%06d.txt                P0..P3, R0_rect, Tr_velo_to_cam, Tr_imu_to_velo
+ROOT/training/road_map/%06d.png + grid.json drivable area raster (our simulator only)
+ROOT/testing/...                            same, without label_2
+```
+Every reader checks its input and raises :class:`KittiFormatError` naming the file (and line).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from detector.data.structures import Boxes3D, Frame
+
+CLASSES = ("Car", "Van", "Truck", "Pedestrian", "Person_sitting", "Cyclist", "Tram", "Misc", "DontCare")
+IMAGE_SIZE = (1242, 375)  # (width, height) of KITTI's left colour camera, used where no image is at hand
+
+
+class KittiFormatError(ValueError):
+    """A KITTI-format file is missing or invalid. The message names the file (and line)."""
+
+    def __init__(self, path: str | Path, message: str, line: int | None = None):
+        self.path = str(path)
+        self.line = line
+        where = f"{path}:{line}" if line is not None else f"{path}"
+        super().__init__(f"{where}: {message}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Labels
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class KittiLabels:
+    """The objects of one label (or result) file, as arrays of length N (KITTI's field order).
+
+    name: object type; truncated: 0..1; occluded: 0 (visible) .. 3 (unknown), -1 for DontCare;
+    alpha: observation angle; bbox: [N, 4] left, top, right, bottom (pixels); dimensions: [N, 3]
+    h, w, l (m); location: [N, 3] bottom centre in the rectified camera frame (m); rotation_y: about
+    the camera's y axis; score: detection confidence (result files only, else None).
+    """
+
+    name: np.ndarray
+    truncated: np.ndarray
+    occluded: np.ndarray
+    alpha: np.ndarray
+    bbox: np.ndarray
+    dimensions: np.ndarray
+    location: np.ndarray
+    rotation_y: np.ndarray
+    score: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.name)
+
+    @classmethod
+    def empty(cls, with_score: bool = False) -> KittiLabels:
+        z = np.zeros(0, dtype=np.float32)
+        return cls(
+            np.zeros(0, dtype="<U16"), z, np.zeros(0, dtype=np.int32), z,
+            np.zeros((0, 4), np.float32), np.zeros((0, 3), np.float32), np.zeros((0, 3), np.float32), z,
+            z.copy() if with_score else None,
+        )
+
+    def select(self, idx: np.ndarray) -> KittiLabels:
+        """The subset given by a boolean mask or index array."""
+        return KittiLabels(
+            self.name[idx], self.truncated[idx], self.occluded[idx], self.alpha[idx], self.bbox[idx],
+            self.dimensions[idx], self.location[idx], self.rotation_y[idx],
+            None if self.score is None else self.score[idx],
+        )
+
+
+def parse_label_lines(lines: list[str], path: str | Path, with_score: bool | None = None) -> KittiLabels:
+    """Parse label lines. ``with_score``: True requires the 16th field, False forbids it, None allows
+    either (all lines must agree)."""
+    rows, names = [], []
+    n_fields = None
+    for i, raw in enumerate(lines, start=1):
+        s = raw.strip()
+        if not s:
+            continue
+        f = s.split()
+        if len(f) not in (15, 16):
+            raise KittiFormatError(path, f"expected 15 fields (16 with a score), got {len(f)}: {s!r}", i)
+        if n_fields is None:
+            n_fields = len(f)
+        elif len(f) != n_fields:
+            raise KittiFormatError(path, f"{len(f)} fields where earlier lines have {n_fields}", i)
+        if f[0] not in CLASSES:
+            raise KittiFormatError(path, f"unknown object type {f[0]!r} (expected one of {', '.join(CLASSES)})", i)
+        try:
+            vals = [float(v) for v in f[1:]]
+        except ValueError:
+            raise KittiFormatError(path, f"non-numeric field in {s!r}", i) from None
+        if not all(math.isfinite(v) for v in vals):
+            raise KittiFormatError(path, f"NaN or infinite value in {s!r}", i)
+        if vals[1] != int(vals[1]):
+            raise KittiFormatError(path, f"occluded must be an integer, got {f[2]!r}", i)
+        if f[0] != "DontCare" and min(vals[7:10]) < 0:
+            raise KittiFormatError(path, f"negative box size (h, w, l) = {tuple(vals[7:10])}", i)
+        names.append(f[0])
+        rows.append(vals)
+    if with_score is True and n_fields == 15:
+        raise KittiFormatError(path, "result file lines need a 16th field (score)")
+    if with_score is False and n_fields == 16:
+        raise KittiFormatError(path, "label lines have 15 fields; found a 16th (score)")
+    has_score = n_fields == 16 or (n_fields is None and bool(with_score))
+    if not rows:
+        return KittiLabels.empty(with_score=has_score)
+    a = np.asarray(rows, dtype=np.float64)
+    return KittiLabels(
+        name=np.asarray(names, dtype="<U16"),
+        truncated=a[:, 0].astype(np.float32),
+        occluded=a[:, 1].astype(np.int32),
+        alpha=a[:, 2].astype(np.float32),
+        bbox=a[:, 3:7].astype(np.float32),
+        dimensions=a[:, 7:10].astype(np.float32),
+        location=a[:, 10:13].astype(np.float32),
+        rotation_y=a[:, 13].astype(np.float32),
+        score=a[:, 14].astype(np.float32) if has_score else None,
+    )
+
+
+def read_label(path: str | Path, with_score: bool | None = None) -> KittiLabels:
+    """Read a ``label_2`` file (or a result file with scores). An empty file means no objects."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise KittiFormatError(path, "label file not found") from None
+    except UnicodeDecodeError:
+        raise KittiFormatError(path, "not a text file") from None
+    return parse_label_lines(text.splitlines(), path, with_score)
+
+
+def format_label_lines(labels: KittiLabels) -> list[str]:
+    """KITTI text lines (2 decimals as in the official files; score with 4)."""
+    out = []
+    for i in range(len(labels)):
+        b, d, l = labels.bbox[i], labels.dimensions[i], labels.location[i]
+        s = (
+            f"{labels.name[i]} {labels.truncated[i]:.2f} {int(labels.occluded[i])} {labels.alpha[i]:.2f} "
+            f"{b[0]:.2f} {b[1]:.2f} {b[2]:.2f} {b[3]:.2f} {d[0]:.2f} {d[1]:.2f} {d[2]:.2f} "
+            f"{l[0]:.2f} {l[1]:.2f} {l[2]:.2f} {labels.rotation_y[i]:.2f}"
+        )
+        if labels.score is not None:
+            s += f" {labels.score[i]:.4f}"
+        out.append(s)
+    return out
+
+
+def write_label(path: str | Path, labels: KittiLabels) -> None:
+    """Write a label or result file (a frame with no objects gives an empty file)."""
+    lines = format_label_lines(labels)
+    Path(path).write_text("".join(s + "\n" for s in lines))
+
+
+def observation_angle(location: np.ndarray, rotation_y: np.ndarray) -> np.ndarray:
+    """KITTI's alpha: rotation_y minus the viewing ray's angle, in [-pi, pi)."""
+    ray = np.arctan2(location[:, 0], location[:, 2])
+    return (rotation_y - ray + np.pi) % (2 * np.pi) - np.pi
+
+
+def boxes_to_labels(
+    boxes: Boxes3D,
+    names: np.ndarray,
+    calib: Calibration,
+    scores: np.ndarray | None = None,
+    image_size: tuple[int, int] = IMAGE_SIZE,
+    truncated: np.ndarray | None = None,
+    occluded: np.ndarray | None = None,
+) -> KittiLabels:
+    """LiDAR-frame boxes → KITTI label/result records: camera-frame geometry, alpha, and the 2D box of
+    the projected 3D box clipped to the image. Boxes entirely outside the image keep a zero 2D box."""
+    n = len(boxes)
+    loc, dims, ry = boxes.to_camera(calib)
+    bbox, _ = boxes.project_to_image(calib, image_size)
+    return KittiLabels(
+        name=np.asarray(names, dtype="<U16").reshape(n),
+        truncated=np.zeros(n, np.float32) if truncated is None else np.asarray(truncated, np.float32),
+        occluded=np.zeros(n, np.int32) if occluded is None else np.asarray(occluded, np.int32),
+        alpha=observation_angle(loc, ry).astype(np.float32),
+        bbox=bbox.astype(np.float32),
+        dimensions=dims.astype(np.float32),
+        location=loc.astype(np.float32),
+        rotation_y=ry.astype(np.float32),
+        score=None if scores is None else np.asarray(scores, np.float32).reshape(n),
+    )
+
+
+def labels_to_boxes(labels: KittiLabels, calib: Calibration) -> Boxes3D:
+    """The 3D boxes of all records in the LiDAR frame (callers drop DontCare first)."""
+    return Boxes3D.from_camera(labels.location, labels.dimensions, labels.rotation_y, calib)
+
+
+# --------------------------------------------------------------------------------------------------
+# Calibration
+# --------------------------------------------------------------------------------------------------
+_CALIB_SHAPES = {
+    "P0": (3, 4), "P1": (3, 4), "P2": (3, 4), "P3": (3, 4),
+    "R0_rect": (3, 3), "Tr_velo_to_cam": (3, 4), "Tr_imu_to_velo": (3, 4),
+}
+_CALIB_ALIASES = {"R_rect": "R0_rect", "Tr_velo_cam": "Tr_velo_to_cam", "Tr_imu_velo": "Tr_imu_to_velo"}
+
+
+@dataclass
+class Calibration:
+    """KITTI calibration: camera projections P0..P3 (rectified camera → image), R0_rect (reference →
+    rectified camera), Tr_velo_to_cam (LiDAR → reference camera), Tr_imu_to_velo. Float64 matrices."""
+
+    P0: np.ndarray
+    P1: np.ndarray
+    P2: np.ndarray
+    P3: np.ndarray
+    R0_rect: np.ndarray
+    Tr_velo_to_cam: np.ndarray
+    Tr_imu_to_velo: np.ndarray
+
+    def __post_init__(self):
+        for key, shape in _CALIB_SHAPES.items():
+            m = np.asarray(getattr(self, key), dtype=np.float64)
+            if m.shape != shape:
+                raise ValueError(f"Calibration.{key} must be {shape}, got {m.shape}")
+            setattr(self, key, m)
+        # LiDAR -> rectified camera as one affine map, and its inverse.
+        self._rot = self.R0_rect @ self.Tr_velo_to_cam[:, :3]
+        self._trans = self.R0_rect @ self.Tr_velo_to_cam[:, 3]
+        self._rot_inv = np.linalg.inv(self._rot)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Calibration:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise KittiFormatError(path, "calibration file not found") from None
+        except UnicodeDecodeError:
+            raise KittiFormatError(path, "not a text file") from None
+        mats: dict[str, np.ndarray] = {}
+        for i, raw in enumerate(text.splitlines(), start=1):
+            if not raw.strip():
+                continue
+            key, sep, rest = raw.partition(":")
+            key = _CALIB_ALIASES.get(key.strip(), key.strip())
+            if not sep:
+                raise KittiFormatError(path, f"expected 'KEY: values', got {raw.strip()[:60]!r}", i)
+            if key not in _CALIB_SHAPES:
+                continue  # other keys (e.g. raw-data extras) are allowed and ignored
+            try:
+                vals = np.array([float(v) for v in rest.split()], dtype=np.float64)
+            except ValueError:
+                raise KittiFormatError(path, f"non-numeric value in {key}", i) from None
+            shape = _CALIB_SHAPES[key]
+            if vals.size != shape[0] * shape[1]:
+                raise KittiFormatError(path, f"{key} needs {shape[0] * shape[1]} numbers, got {vals.size}", i)
+            if not np.isfinite(vals).all():
+                raise KittiFormatError(path, f"NaN or infinite value in {key}", i)
+            mats[key] = vals.reshape(shape)
+        missing = [k for k in _CALIB_SHAPES if k not in mats]
+        if missing:
+            raise KittiFormatError(path, f"missing matrix {', '.join(missing)}")
+        calib = cls(**mats)
+        if abs(np.linalg.det(calib._rot)) < 1e-6:
+            raise KittiFormatError(path, "R0_rect · Tr_velo_to_cam is singular")
+        return calib
+
+    def to_file(self, path: str | Path) -> None:
+        lines = []
+        for key in _CALIB_SHAPES:
+            vals = getattr(self, key).reshape(-1)
+            lines.append(f"{key}: " + " ".join(f"{v:.12e}" for v in vals))
+        Path(path).write_text("\n".join(lines) + "\n")
+
+    # --- transforms; points are [N, 3] arrays -------------------------------------------------------
+    def lidar_to_rect(self, pts: np.ndarray) -> np.ndarray:
+        return np.asarray(pts, dtype=np.float64) @ self._rot.T + self._trans
+
+    def rect_to_lidar(self, pts: np.ndarray) -> np.ndarray:
+        return (np.asarray(pts, dtype=np.float64) - self._trans) @ self._rot_inv.T
+
+    def rect_to_image(self, pts: np.ndarray, camera: int = 2) -> tuple[np.ndarray, np.ndarray]:
+        """Project through P{camera}: (uv [N, 2] pixels, depth [N] = third homogeneous coordinate)."""
+        P = getattr(self, f"P{camera}")
+        pts = np.asarray(pts, dtype=np.float64)
+        h = pts @ P[:, :3].T + P[:, 3]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            uv = h[:, :2] / h[:, 2:3]
+        return uv, h[:, 2]
+
+    def lidar_to_image(self, pts: np.ndarray, camera: int = 2) -> tuple[np.ndarray, np.ndarray]:
+        return self.rect_to_image(self.lidar_to_rect(pts), camera)
+
+    def image_to_rect(self, uv: np.ndarray, depth: np.ndarray, camera: int = 2) -> np.ndarray:
+        """Back-project pixels at the given depth (third homogeneous coordinate) to the rect. frame."""
+        P = getattr(self, f"P{camera}")
+        uv = np.asarray(uv, dtype=np.float64)
+        depth = np.asarray(depth, dtype=np.float64)
+        h = np.concatenate([uv * depth[:, None], depth[:, None]], axis=1) - P[:, 3]
+        return h @ np.linalg.inv(P[:, :3]).T
+
+
+# --------------------------------------------------------------------------------------------------
+# Point clouds, image sets, road maps
+# --------------------------------------------------------------------------------------------------
+def read_points(path: str | Path) -> np.ndarray:
+    """[N, 4] float32 (x, y, z, reflectance) from a velodyne ``.bin``; rejects truncated, empty and
+    non-finite scans."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise KittiFormatError(path, "point cloud file not found") from None
+    if len(data) == 0:
+        raise KittiFormatError(path, "empty point cloud (0 bytes)")
+    if len(data) % 16:
+        raise KittiFormatError(
+            path, f"truncated point cloud: {len(data)} bytes is not a multiple of 16 (4 float32 per point)"
+        )
+    pts = np.frombuffer(data, dtype=np.float32).reshape(-1, 4)
+    bad = ~np.isfinite(pts).all(axis=1)
+    if bad.any():
+        first = int(np.flatnonzero(bad)[0])
+        raise KittiFormatError(path, f"{int(bad.sum())} points with NaN or infinite values (first: point {first})")
+    return pts.copy()
+
+
+def write_points(path: str | Path, points: np.ndarray) -> None:
+    pts = np.ascontiguousarray(points, dtype=np.float32)
+    if pts.ndim != 2 or pts.shape[1] != 4:
+        raise ValueError(f"points must be [N, 4], got {pts.shape}")
+    Path(path).write_bytes(pts.tobytes())
+
+
+def read_imageset(path: str | Path) -> list[str]:
+    path = Path(path)
+    try:
+        lines = path.read_text().split()
+    except FileNotFoundError:
+        raise KittiFormatError(path, "image set file not found") from None
+    for i, s in enumerate(lines, start=1):
+        if not s.isdigit():
+            raise KittiFormatError(path, f"frame id must be digits, got {s!r}", i)
+    return lines
+
+
+def write_imageset(path: str | Path, ids: list[str]) -> None:
+    Path(path).write_text("".join(f"{i}\n" for i in ids))
+
+
+@dataclass
+class RoadMap:
+    """Drivable area as a BEV raster in the LiDAR frame: ``raster`` [rows, cols] bool, row r / column c
+    covering y in [y_min + r·res, y_min + (r+1)·res) and x in [x_min + c·res, ...)."""
+
+    raster: np.ndarray
+    x_min: float
+    y_min: float
+    resolution: float
+
+    def grid(self) -> dict:
+        return {"x_min": self.x_min, "y_min": self.y_min, "resolution": self.resolution,
+                "rows": int(self.raster.shape[0]), "cols": int(self.raster.shape[1]),
+                "rows_axis": "y", "cols_axis": "x", "frame": "lidar"}
+
+
+def write_road_map(png_path: str | Path, road: RoadMap) -> None:
+    """Write the raster as an 8-bit PNG (255 = drivable) and the grid as ``grid.json`` beside it."""
+    import open3d as o3d
+
+    png_path = Path(png_path)
+    img = np.ascontiguousarray(road.raster.astype(np.uint8) * 255)
+    if not o3d.io.write_image(str(png_path), o3d.geometry.Image(img)):
+        raise OSError(f"{png_path}: could not write PNG")
+    grid_path = png_path.parent / "grid.json"
+    text = json.dumps(road.grid(), indent=1)
+    if not grid_path.exists() or grid_path.read_text() != text:
+        grid_path.write_text(text)
+
+
+def read_road_map(png_path: str | Path) -> RoadMap:
+    import open3d as o3d
+
+    png_path = Path(png_path)
+    grid_path = png_path.parent / "grid.json"
+    if not png_path.exists():
+        raise KittiFormatError(png_path, "road map not found")
+    try:
+        grid = json.loads(grid_path.read_text())
+    except FileNotFoundError:
+        raise KittiFormatError(grid_path, "road map grid description not found") from None
+    except json.JSONDecodeError as e:
+        raise KittiFormatError(grid_path, f"invalid JSON: {e}") from None
+    img = np.asarray(o3d.io.read_image(str(png_path)))
+    if img.ndim == 3:
+        img = img[..., 0]
+    if img.shape != (grid.get("rows"), grid.get("cols")):
+        raise KittiFormatError(png_path, f"raster is {img.shape}, grid.json says {(grid.get('rows'), grid.get('cols'))}")
+    return RoadMap(img > 127, float(grid["x_min"]), float(grid["y_min"]), float(grid["resolution"]))
+
+
+# --------------------------------------------------------------------------------------------------
+# A KITTI-format root
+# --------------------------------------------------------------------------------------------------
+class KittiRoot:
+    """A KITTI-format dataset root (real KITTI or our simulator's output)."""
+
+    def __init__(self, root: str | Path, split_dir: str = "training"):
+        self.root = Path(root)
+        self.dir = self.root / split_dir
+        if not self.root.is_dir():
+            raise KittiFormatError(self.root, "dataset root not found")
+        if not self.dir.is_dir():
+            raise KittiFormatError(self.dir, f"no '{split_dir}' folder in the dataset root")
+
+    def imageset(self, name: str) -> list[str]:
+        """Frame ids of ``ImageSets/{name}.txt``."""
+        return read_imageset(self.root / "ImageSets" / f"{name}.txt")
+
+    def path(self, kind: str, frame_id: str) -> Path:
+        ext = {"velodyne": "bin", "road_map": "png", "image_2": "png"}.get(kind, "txt")
+        return self.dir / kind / f"{frame_id}.{ext}"
+
+    def has_labels(self) -> bool:
+        return (self.dir / "label_2").is_dir()
+
+    def has_road_maps(self) -> bool:
+        return (self.dir / "road_map" / "grid.json").is_file()
+
+    def read_frame(self, frame_id: str, road_map: bool = False) -> Frame:
+        """Load a frame; raises KittiFormatError naming the bad or missing file."""
+        points = read_points(self.path("velodyne", frame_id))
+        calib = Calibration.from_file(self.path("calib", frame_id))
+        labels = None
+        boxes, names = Boxes3D.empty(), np.zeros(0, dtype="<U16")
+        if self.has_labels():
+            labels = read_label(self.path("label_2", frame_id), with_score=False)
+            obj = labels.name != "DontCare"
+            names = labels.name[obj]
+            boxes = Boxes3D(labels_to_boxes(labels.select(obj), calib).tensor.float())
+        road = None
+        if road_map:
+            if not self.has_road_maps():
+                raise KittiFormatError(
+                    self.dir / "road_map",
+                    "no road maps in this dataset (real KITTI has none): use mask=predicted, ground or none",
+                )
+            road = read_road_map(self.path("road_map", frame_id))
+        return Frame(frame_id, points, calib, boxes, names, labels, road)
