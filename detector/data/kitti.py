@@ -456,3 +456,18 @@ class KittiRoot:
                 )
             road = read_road_map(self.path("road_map", frame_id))
         return Frame(frame_id, points, calib, boxes, names, labels, road)
+
+
+# KITTI's difficulty levels: (min 2D box height px, max occlusion level, max truncation).
+DIFFICULTY_LEVELS = {"easy": (40.0, 0, 0.15), "moderate": (25.0, 1, 0.30), "hard": (25.0, 2, 0.50)}
+
+
+def difficulty(labels: KittiLabels) -> np.ndarray:
+    """Easiest KITTI level of each object: 0 easy, 1 moderate, 2 hard, -1 none (levels are cumulative:
+    an easy object also counts for moderate and hard)."""
+    height = labels.bbox[:, 3] - labels.bbox[:, 1]
+    out = np.full(len(labels), -1, dtype=np.int8)
+    for lvl, (min_h, max_occ, max_trunc) in reversed(list(enumerate(DIFFICULTY_LEVELS.values()))):
+        ok = (height >= min_h) & (labels.occluded <= max_occ) & (labels.truncated <= max_trunc)
+        out[ok] = lvl
+    return out

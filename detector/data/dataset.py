@@ -1,0 +1,103 @@
+"""A map-style dataset over one split of a KITTI-format root."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch.utils.data
+
+from detector.data.kitti import Calibration, KittiFormatError, KittiRoot, read_label
+from detector.data.structures import Frame
+
+log = logging.getLogger(__name__)
+
+
+class KittiDataset(torch.utils.data.Dataset):
+    """Frames of ``ImageSets/{split}.txt``.
+
+    Construction checks, cheaply, that every listed frame has its files and that they parse (points
+    only by size: the full point check happens on load). A bad frame raises :class:`KittiFormatError`
+    naming the file, or with ``skip_bad_frames`` is dropped with a warning and counted in
+    ``self.skipped`` (a frame whose points turn out bad at load time is then replaced by the next one).
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        split: str = "train",
+        road_map: bool = False,
+        skip_bad_frames: bool = False,
+        transform: Callable[[Frame, np.random.Generator], Frame] | None = None,
+        seed: int = 0,
+    ):
+        self.root = KittiRoot(root)
+        self.split = split
+        self.road_map = road_map
+        self.skip_bad_frames = skip_bad_frames
+        self.transform = transform
+        self.seed = seed
+        self.epoch = 0
+        self.skipped: list[tuple[str, str]] = []  # (frame id, reason)
+        ids = self.root.imageset(split)
+        if road_map and not self.root.has_road_maps():
+            raise KittiFormatError(
+                self.root.dir / "road_map",
+                "mask=road_map needs road maps, and this dataset has none (real KITTI has none): "
+                "use mask=predicted, mask=ground or mask=none",
+            )
+        self.ids = [i for i in ids if self._check(i)]
+        if self.skipped:
+            log.warning("%s/%s: skipped %d bad frames (first: %s: %s)", root, split, len(self.skipped),
+                        *self.skipped[0])
+        if not self.ids:
+            raise KittiFormatError(self.root.root / "ImageSets" / f"{split}.txt", "no usable frames in this split")
+
+    def _bad(self, frame_id: str, err: KittiFormatError) -> bool:
+        if not self.skip_bad_frames:
+            raise err
+        self.skipped.append((frame_id, str(err)))
+        return False
+
+    def _check(self, frame_id: str) -> bool:
+        try:
+            bin_path = self.root.path("velodyne", frame_id)
+            try:
+                size = os.path.getsize(bin_path)
+            except FileNotFoundError:
+                raise KittiFormatError(bin_path, f"frame {frame_id} is listed in ImageSets but has no point cloud") from None
+            if size == 0 or size % 16:
+                raise KittiFormatError(bin_path, f"truncated or empty point cloud ({size} bytes, not a positive multiple of 16)")
+            Calibration.from_file(self.root.path("calib", frame_id))
+            if self.root.has_labels():
+                read_label(self.root.path("label_2", frame_id), with_score=False)
+            if self.road_map and not self.root.path("road_map", frame_id).exists():
+                raise KittiFormatError(self.root.path("road_map", frame_id), "road map not found")
+        except KittiFormatError as e:
+            return self._bad(frame_id, e)
+        return True
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Augmentation randomness depends on (seed, epoch, index): reproducible and resumable."""
+        self.epoch = epoch
+
+    def __getitem__(self, index: int) -> Frame:
+        for k in range(len(self.ids)):
+            frame_id = self.ids[(index + k) % len(self.ids)]
+            try:
+                frame = self.root.read_frame(frame_id, road_map=self.road_map)
+            except KittiFormatError as e:
+                self._bad(frame_id, e)
+                log.warning("skipping bad frame %s", e)
+                continue
+            if self.transform is not None:
+                rng = np.random.default_rng([self.seed, self.epoch, index])
+                frame = self.transform(frame, rng)
+            return frame
+        raise KittiFormatError(self.root.root, f"no loadable frame in split {self.split}")

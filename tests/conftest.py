@@ -1,0 +1,39 @@
+"""Shared test fixtures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from detector.data.kitti import Calibration
+
+KITTI_REAL = Path(__file__).resolve().parents[1].parent / "shared" / "kitti_real"
+
+
+def make_calib(rot_deg: float = 0.0) -> Calibration:
+    """A KITTI-like calibration: camera 0.27 m ahead of and 0.08 m below the LiDAR, optionally yawed."""
+    f, cx, cy = 720.0, 610.0, 175.0
+    K = np.array([[f, 0, cx], [0, f, cy], [0, 0, 1.0]])
+    P = [np.hstack([K, K @ np.array([[tx], [0.0], [0.0]])]) for tx in (0.0, -0.54, 0.06, -0.47)]
+    # LiDAR (x fwd, y left, z up) -> camera (x right, y down, z fwd)
+    axes = np.array([[0, -1, 0], [0, 0, -1], [1, 0, 0]], dtype=np.float64)
+    a = np.deg2rad(rot_deg)
+    rz = np.array([[np.cos(a), -np.sin(a), 0], [np.sin(a), np.cos(a), 0], [0, 0, 1]])
+    R = axes @ rz
+    t = -R @ np.array([0.27, 0.0, -0.08])
+    return Calibration(P0=P[0], P1=P[1], P2=P[2], P3=P[3], R0_rect=np.eye(3),
+                       Tr_velo_to_cam=np.hstack([R, t[:, None]]), Tr_imu_to_velo=np.hstack([np.eye(3), np.zeros((3, 1))]))
+
+
+@pytest.fixture
+def calib() -> Calibration:
+    return make_calib()
+
+
+@pytest.fixture
+def kitti_real() -> Path:
+    if not (KITTI_REAL / "training" / "velodyne").is_dir():
+        pytest.skip("../shared/kitti_real (real KITTI frames) not present")
+    return KITTI_REAL

@@ -1,0 +1,306 @@
+"""KITTI I/O: round trips, calibration transforms, bad input, and the real KITTI frames."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from detector.data.dataset import KittiDataset
+from detector.data.kitti import (
+    CLASSES,
+    Calibration,
+    KittiFormatError,
+    KittiRoot,
+    RoadMap,
+    boxes_to_labels,
+    difficulty,
+    labels_to_boxes,
+    read_imageset,
+    read_label,
+    read_points,
+    read_road_map,
+    write_imageset,
+    write_label,
+    write_points,
+    write_road_map,
+)
+from detector.data.structures import Boxes3D, collate_frames
+from tests.conftest import make_calib
+
+LABEL_TEXT = """\
+Car 0.00 0 -1.58 587.01 173.33 614.12 200.12 1.65 1.67 3.64 -0.65 1.71 46.70 -1.59
+Van 0.12 1 1.85 387.63 181.54 423.81 203.12 2.10 1.87 4.69 -16.53 2.39 58.49 1.57
+Truck 0.00 0 -1.57 599.41 156.40 629.75 189.25 2.85 2.63 12.34 0.47 1.49 69.44 -1.56
+Pedestrian 0.00 0 -0.20 712.40 143.00 810.73 307.92 1.89 0.48 1.20 1.84 1.47 8.41 0.01
+Person_sitting 0.30 2 0.20 700.00 150.00 720.00 200.00 1.20 0.60 0.80 2.00 1.50 10.00 0.00
+Cyclist 0.00 3 -1.65 676.60 163.95 688.98 193.93 1.86 0.60 2.02 4.59 1.32 45.84 -1.55
+Tram 0.00 0 0.50 100.00 150.00 300.00 250.00 3.50 2.60 16.00 -10.00 1.80 30.00 0.40
+Misc 0.00 0 0.10 500.00 170.00 520.00 190.00 1.00 1.00 1.00 5.00 1.60 40.00 0.20
+DontCare -1 -1 -10 503.89 169.71 590.61 190.13 -1 -1 -1 -1000 -1000 -1000 -10
+"""
+
+
+def _root(tmp_path, n=3, calib=None, labels=LABEL_TEXT):
+    calib = calib or make_calib()
+    for d in ("velodyne", "label_2", "calib"):
+        (tmp_path / "training" / d).mkdir(parents=True, exist_ok=True)
+    (tmp_path / "ImageSets").mkdir(exist_ok=True)
+    ids = [f"{i:06d}" for i in range(n)]
+    rng = np.random.default_rng(0)
+    for i in ids:
+        write_points(tmp_path / "training/velodyne" / f"{i}.bin", rng.normal(size=(100, 4)).astype(np.float32))
+        (tmp_path / "training/label_2" / f"{i}.txt").write_text(labels)
+        calib.to_file(tmp_path / "training/calib" / f"{i}.txt")
+    write_imageset(tmp_path / "ImageSets/train.txt", ids)
+    return tmp_path, ids
+
+
+# --- labels -------------------------------------------------------------------------------------
+def test_label_every_class_and_round_trip(tmp_path):
+    p = tmp_path / "a.txt"
+    p.write_text(LABEL_TEXT)
+    lab = read_label(p)
+    assert list(lab.name) == list(CLASSES)
+    assert lab.score is None
+    assert lab.occluded.tolist() == [0, 1, 0, 0, 2, 3, 0, 0, -1]
+    np.testing.assert_allclose(lab.bbox[0], [587.01, 173.33, 614.12, 200.12], atol=1e-4)
+    np.testing.assert_allclose(lab.dimensions[2], [2.85, 2.63, 12.34], atol=1e-5)
+    write_label(tmp_path / "b.txt", lab)
+    assert (tmp_path / "b.txt").read_text() == LABEL_TEXT.replace("-1 -1 -10 503.89", "-1.00 -1 -10.00 503.89").replace(
+        "-1 -1 -1 -1000 -1000 -1000 -10\n", "-1.00 -1.00 -1.00 -1000.00 -1000.00 -1000.00 -10.00\n")
+
+
+def test_result_file_with_scores_round_trip(tmp_path, calib):
+    boxes = Boxes3D(torch.tensor([[10.0, 1.0, -0.8, 4.0, 1.7, 1.5, 0.3], [25.0, -3.0, -0.9, 3.8, 1.6, 1.4, -2.0]]))
+    lab = boxes_to_labels(boxes, np.array(["Car", "Car"]), calib, scores=np.array([0.9, 0.25]))
+    write_label(tmp_path / "r.txt", lab)
+    back = read_label(tmp_path / "r.txt", with_score=True)
+    np.testing.assert_allclose(back.score, [0.9, 0.25], atol=1e-4)
+    np.testing.assert_allclose(back.location, lab.location, atol=0.006)
+    np.testing.assert_allclose(back.bbox, lab.bbox, atol=0.006)
+    with pytest.raises(KittiFormatError, match="16th"):
+        read_label(tmp_path / "r.txt", with_score=False)
+
+
+def test_empty_label_file_is_a_frame_without_objects(tmp_path):
+    (tmp_path / "e.txt").write_text("")
+    lab = read_label(tmp_path / "e.txt")
+    assert len(lab) == 0 and lab.bbox.shape == (0, 4)
+    write_label(tmp_path / "f.txt", lab)
+    assert (tmp_path / "f.txt").read_text() == ""
+
+
+@pytest.mark.parametrize(
+    "line, match",
+    [
+        ("Car 0.00 0 -1.58 587.01 173.33 614.12 200.12 1.65 1.67 3.64 -0.65 1.71 46.70", "expected 15 fields"),
+        ("Car 0.00 0 -1.58 587.01 173.33 614.12 200.12 1.65 1.67 3.64 -0.65 1.71 46.70 -1.59 0.5 7", "got 17"),
+        ("Bus 0.00 0 -1.58 587.01 173.33 614.12 200.12 1.65 1.67 3.64 -0.65 1.71 46.70 -1.59", "unknown object type 'Bus'"),
+        ("Car 0.00 0 -1.58 587.01 173.33 614.12 200.12 1.65 1.67 3.64 -0.65 1.71 46.70 nan", "NaN"),
+        ("Car 0.00 0 -1.58 587.01 173.33 614.12 200.12 1.65 -1.67 3.64 -0.65 1.71 46.70 -1.59", "negative box size"),
+        ("Car 0.00 x -1.58 587.01 173.33 614.12 200.12 1.65 1.67 3.64 -0.65 1.71 46.70 -1.59", "non-numeric"),
+    ],
+)
+def test_malformed_label_line_names_file_and_line(tmp_path, line, match):
+    p = tmp_path / "bad.txt"
+    p.write_text(LABEL_TEXT.splitlines()[0] + "\n" + line + "\n")
+    with pytest.raises(KittiFormatError, match=match) as e:
+        read_label(p)
+    assert str(e.value).startswith(f"{p}:2:")
+
+
+# --- boxes and calibration -----------------------------------------------------------------------
+@pytest.mark.parametrize("rot", [0.0, 1.5])
+def test_label_boxes_label_round_trip(calib, rot):
+    calib = make_calib(rot)
+    rng = np.random.default_rng(1)
+    n = 50
+    t = np.column_stack([rng.uniform(5, 60, n), rng.uniform(-20, 20, n), rng.uniform(-1.5, 0, n),
+                         rng.uniform(3, 5, n), rng.uniform(1.4, 2, n), rng.uniform(1.3, 1.8, n),
+                         rng.uniform(-np.pi, np.pi, n)])
+    boxes = Boxes3D(torch.from_numpy(t))
+    lab = boxes_to_labels(boxes, np.array(["Car"] * n), calib)
+    back = Boxes3D.from_camera(*boxes.to_camera(calib), calib)
+    np.testing.assert_allclose(back.numpy()[:, :6], t[:, :6], atol=1e-9)
+    d = np.angle(np.exp(1j * (back.numpy()[:, 6] - t[:, 6])))
+    np.testing.assert_allclose(d, 0, atol=1e-9)
+    # through float32 records (what a file holds before rounding)
+    back32 = labels_to_boxes(lab, calib).numpy()
+    np.testing.assert_allclose(back32[:, :6], t[:, :6], atol=2e-5 * 60)
+
+
+def test_rotation_convention(calib):
+    # A box heading straight forward (yaw 0) in the LiDAR frame has rotation_y = -pi/2 in KITTI.
+    boxes = Boxes3D(torch.tensor([[10.0, 0.0, 0.0, 4.0, 1.6, 1.5, 0.0], [10.0, 0.0, 0.0, 4.0, 1.6, 1.5, math.pi / 2]]))
+    loc, dims, ry = boxes.to_camera(calib)
+    np.testing.assert_allclose(np.cos(ry), [0, -1], atol=1e-7)
+    np.testing.assert_allclose(np.sin(ry), [-1, 0], atol=1e-7)
+    np.testing.assert_allclose(dims[0], [1.5, 1.6, 4.0])
+    # bottom centre: 0.75 m below the centre; camera 0.08 m below the LiDAR and 0.27 m ahead
+    np.testing.assert_allclose(loc[0], [0.0, 0.75 - 0.08, 10.0 - 0.27], atol=1e-12)
+
+
+def test_calibration_transforms(calib, tmp_path):
+    rng = np.random.default_rng(0)
+    pts = rng.uniform(-50, 50, size=(100, 3))
+    np.testing.assert_allclose(calib.rect_to_lidar(calib.lidar_to_rect(pts)), pts, atol=1e-10)
+    # hand-computed projection: LiDAR (10.27, -1, 0.5-0.08) -> rect (1, -0.5, 10) -> image
+    uv, depth = calib.lidar_to_image(np.array([[10.27, -1.0, 0.42]]))
+    assert depth[0] == pytest.approx(10.0 + 0.0)  # P2 row 3 = (0, 0, 1, 0)
+    np.testing.assert_allclose(uv[0], [610 + 720 * (1 + 0.06) / 10, 175 + 720 * (-0.5) / 10])
+    rect = calib.lidar_to_rect(pts[:5])
+    uv, d = calib.rect_to_image(rect)
+    np.testing.assert_allclose(calib.image_to_rect(uv, d), rect, atol=1e-8)
+    calib.to_file(tmp_path / "c.txt")
+    c2 = Calibration.from_file(tmp_path / "c.txt")
+    for k in ("P0", "P1", "P2", "P3", "R0_rect", "Tr_velo_to_cam", "Tr_imu_to_velo"):
+        np.testing.assert_allclose(getattr(c2, k), getattr(calib, k), rtol=1e-12, atol=1e-15)  # KITTI writes %.12e
+
+
+def test_calibration_missing_matrix(tmp_path, calib):
+    calib.to_file(tmp_path / "c.txt")
+    lines = (tmp_path / "c.txt").read_text().splitlines()
+    (tmp_path / "c.txt").write_text("\n".join(line for line in lines if not line.startswith("Tr_velo_to_cam")))
+    with pytest.raises(KittiFormatError, match="missing matrix Tr_velo_to_cam") as e:
+        Calibration.from_file(tmp_path / "c.txt")
+    assert str(tmp_path / "c.txt") in str(e.value)
+    (tmp_path / "d.txt").write_text("\n".join(lines[:2] + ["P2: 1 2 3"] + lines[3:]))
+    with pytest.raises(KittiFormatError, match=r"d.txt:3: P2 needs 12 numbers, got 3"):
+        Calibration.from_file(tmp_path / "d.txt")
+
+
+def test_projection_clips_to_image_and_handles_boxes_behind(calib):
+    boxes = Boxes3D(torch.tensor([
+        [20.0, 0.0, -0.9, 4.0, 1.7, 1.5, 0.0],     # fully visible
+        [3.0, 4.0, -0.9, 4.0, 1.7, 1.5, 0.0],      # truncated at the left border
+        [-20.0, 0.0, -0.9, 4.0, 1.7, 1.5, 0.0],    # behind the camera
+        [0.5, -1.0, -0.9, 4.0, 1.7, 1.5, 0.0],     # straddles the camera plane
+    ], dtype=torch.float64))
+    bbox, vis = boxes.project_to_image(calib)
+    assert vis.tolist() == [True, True, False, True]
+    assert (bbox[:, [0, 2]] >= 0).all() and (bbox[:, [0, 2]] <= 1241).all()
+    assert (bbox[:, [1, 3]] >= 0).all() and (bbox[:, [1, 3]] <= 374).all()
+    assert bbox[1, 0] == 0.0 and bbox[3, 2] == 1241.0
+    # fully visible box: the 2D box is exactly the min/max of the projected corners
+    uv, _ = calib.lidar_to_image(boxes[0].corners().numpy()[0])
+    np.testing.assert_allclose(bbox[0], [*uv.min(0), *uv.max(0)])
+
+
+def test_points_in_boxes():
+    boxes = Boxes3D(torch.tensor([[0.0, 0.0, 0.0, 4.0, 2.0, 2.0, math.pi / 2]]))
+    pts = torch.tensor([[0.0, 1.9, 0.0], [0.0, 2.1, 0.0], [0.9, 0.0, 0.0], [1.1, 0.0, 0.0], [0.0, 0.0, 1.0]])
+    assert boxes.points_in_boxes(pts)[:, 0].tolist() == [True, False, True, False, True]
+    corners = boxes.corners()[0]
+    assert boxes.points_in_boxes(corners * 0.999).all()
+
+
+def test_difficulty_levels():
+    lab = read_label_from_text("""\
+Car 0.00 0 0 0 100 10 140.5 1.5 1.6 4 0 1 10 0
+Car 0.20 1 0 0 100 10 126 1.5 1.6 4 0 1 10 0
+Car 0.40 2 0 0 100 10 126 1.5 1.6 4 0 1 10 0
+Car 0.00 0 0 0 100 10 124 1.5 1.6 4 0 1 10 0
+Car 0.60 0 0 0 100 10 200 1.5 1.6 4 0 1 10 0
+""")
+    assert difficulty(lab).tolist() == [0, 1, 2, -1, -1]
+
+
+def read_label_from_text(text):
+    from detector.data.kitti import parse_label_lines
+
+    return parse_label_lines(text.splitlines(), "mem")
+
+
+# --- point clouds and roots ----------------------------------------------------------------------
+def test_points_round_trip_and_bad_bins(tmp_path):
+    pts = np.random.default_rng(0).normal(size=(37, 4)).astype(np.float32)
+    write_points(tmp_path / "a.bin", pts)
+    np.testing.assert_array_equal(read_points(tmp_path / "a.bin"), pts)
+    (tmp_path / "t.bin").write_bytes(pts.tobytes()[:-3])
+    with pytest.raises(KittiFormatError, match="truncated point cloud"):
+        read_points(tmp_path / "t.bin")
+    (tmp_path / "e.bin").write_bytes(b"")
+    with pytest.raises(KittiFormatError, match="empty"):
+        read_points(tmp_path / "e.bin")
+    bad = pts.copy()
+    bad[5, 1] = np.nan
+    bad[9, 0] = np.inf
+    write_points(tmp_path / "n.bin", bad)
+    with pytest.raises(KittiFormatError, match=r"n.bin: 2 points with NaN or infinite values \(first: point 5\)"):
+        read_points(tmp_path / "n.bin")
+
+
+def test_root_reads_frames_and_collates(tmp_path):
+    root, ids = _root(tmp_path)
+    ds = KittiDataset(root, "train")
+    assert len(ds) == 3
+    f = ds[1]
+    assert f.frame_id == ids[1] and f.points.shape == (100, 4)
+    assert list(f.gt_names) == [c for c in CLASSES if c != "DontCare"]
+    assert len(f.labels) == 9
+    b = collate_frames([ds[0], ds[2]])
+    assert b.points.shape == (200, 5) and b.points[:100, 0].eq(0).all() and b.points[100:, 0].eq(1).all()
+
+
+def test_dataset_bad_frames_raise_or_skip(tmp_path):
+    root, ids = _root(tmp_path, n=4)
+    (root / "training/velodyne" / f"{ids[1]}.bin").write_bytes(b"\0" * 20)
+    (root / "training/calib" / f"{ids[2]}.txt").unlink()
+    write_imageset(root / "ImageSets/train.txt", ids + ["000099"])
+    with pytest.raises(KittiFormatError, match="000001.bin: truncated"):
+        KittiDataset(root, "train")
+    ds = KittiDataset(root, "train", skip_bad_frames=True)
+    assert ds.ids == [ids[0], ids[3]]
+    assert [s[0] for s in ds.skipped] == [ids[1], ids[2], "000099"]
+    assert "calibration file not found" in ds.skipped[1][1]
+    assert "listed in ImageSets but has no point cloud" in ds.skipped[2][1]
+    # a frame whose points turn bad after the check is replaced by the next one, and counted
+    pts = np.full((10, 4), np.nan, np.float32)
+    write_points(root / "training/velodyne" / f"{ids[0]}.bin", pts)
+    assert ds[0].frame_id == ids[3] and ds.skipped[-1][0] == ids[0]
+
+
+def test_imageset_and_road_map(tmp_path):
+    (tmp_path / "s.txt").write_text("000001\nabc\n")
+    with pytest.raises(KittiFormatError, match=r"s.txt:2: frame id must be digits"):
+        read_imageset(tmp_path / "s.txt")
+    raster = np.zeros((40, 30), bool)
+    raster[10:20, 5:25] = True
+    write_road_map(tmp_path / "000000.png", RoadMap(raster, 0.0, -4.0, 0.2))
+    rm = read_road_map(tmp_path / "000000.png")
+    np.testing.assert_array_equal(rm.raster, raster)
+    assert (rm.x_min, rm.y_min, rm.resolution) == (0.0, -4.0, 0.2)
+
+
+def test_road_map_missing_on_real_layout(tmp_path):
+    root, _ = _root(tmp_path)
+    with pytest.raises(KittiFormatError, match="real KITTI has none"):
+        KittiDataset(root, "train", road_map=True)
+
+
+# --- real KITTI ----------------------------------------------------------------------------------
+def test_real_kitti_frames(kitti_real):
+    root = KittiRoot(kitti_real)
+    n_cars = 0
+    for fid in ("000000", "000001", "000002", "000003"):
+        f = root.read_frame(fid)
+        assert f.points.shape[1] == 4 and len(f.points) > 100_000
+        objs = f.labels.select(f.labels.name != "DontCare")
+        inside = f.gt_boxes.points_in_boxes(f.points).sum(0).numpy()
+        grown = f.gt_boxes.clone()
+        grown.tensor[:, 3:5] += 0.6  # a 0.3 m shell around the sides (not below: that is ground)
+        enlarged = grown.points_in_boxes(f.points).sum(0).numpy()
+        bbox, vis = f.gt_boxes.project_to_image(f.calib)
+        for k, name in enumerate(f.gt_names):
+            if name != "Car":
+                continue
+            n_cars += 1
+            # the car's points are inside its box: few points in a 0.3 m shell around it
+            assert inside[k] >= 5 and inside[k] >= 0.75 * enlarged[k], (fid, k, inside[k], enlarged[k])
+            # the projected 3D box agrees with the annotated 2D box
+            assert vis[k]
+            np.testing.assert_allclose(bbox[k], objs.bbox[k], atol=3.0)
+    assert n_cars == 3
