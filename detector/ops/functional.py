@@ -1,0 +1,239 @@
+"""Public sparse-block ops (SBNet semantics, NCHW): argument checks, semantics, dispatch.
+
+Geometry comes from a :class:`~detector.ops.blocks.BlockParams` (see :func:`calc_block_params`).
+Each function checks its arguments and raises one clear ``TypeError``/``ValueError`` naming the op and
+the argument, then runs the compiled kernels (``torch.ops.sbnet.*``, built on first use by
+:mod:`detector.ops._library`) or, where they are not available for the tensor's device, the pure-PyTorch
+:mod:`detector.ops.reference` (with a one-time warning). Both paths give the same results and are
+differentiable:
+
+- gather's gradient is a scatter-add of the block gradients into zeros like ``x`` (blocks overlap by
+  the halo, so overlapping gradients add up);
+- scatter's gradient w.r.t. ``blocks`` is a gather of the output gradient at the tiles (output
+  geometry, no halo; zeros where a tile sticks out of the map); w.r.t. ``base`` it is the output
+  gradient, with the written tiles zeroed when ``add=False``.
+
+Indices are an int32 ``[K, 3]`` tensor of unique rows ``(n, by, bx)`` (what :func:`reduce_mask`
+returns; int64 is accepted and converted). ``K`` may be 0.
+Supported dtypes: float16, bfloat16, float32, float64. Inputs may be non-contiguous.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from . import reference
+from .blocks import BlockParams
+
+__all__ = ["reduce_mask", "sparse_gather", "sparse_scatter", "sparse_scatter_"]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_warned_devices: set[str] = set()
+
+
+# ----------------------------------------------------------------------------------------- checks
+def _check_tensor(op: str, name: str, t: object, dims: int) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise ValueError(f"{op}: {name} must be {dims}-D, got shape {tuple(t.shape)}")
+    return t
+
+
+def _check_float(op: str, name: str, t: torch.Tensor) -> None:
+    if t.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{op}: {name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+
+
+def _check_bp(op: str, bp: object) -> BlockParams:
+    if not isinstance(bp, BlockParams):
+        raise TypeError(f"{op}: bp must be a BlockParams (from calc_block_params), got {type(bp).__name__}")
+    return bp
+
+
+def _check_indices(
+    op: str, indices: object, batch: int, bp: BlockParams, device: torch.device
+) -> torch.Tensor:
+    """``indices`` as a contiguous int32 [K, 3] tensor after checking shape, device, range, uniqueness."""
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"{op}: indices must be a torch.Tensor, got {type(indices).__name__}")
+    if indices.dim() != 2 or indices.shape[1] != 3:
+        raise ValueError(f"{op}: indices must have shape [K, 3] (n, by, bx), got {tuple(indices.shape)}")
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{op}: indices must be int32 (or int64), got {indices.dtype}")
+    if indices.device != device:
+        raise ValueError(f"{op}: indices are on {indices.device} but the data is on {device}")
+    if indices.shape[0] > 0:
+        idx = indices.long()
+        # One device sync for all checks: per-column min and max, and whether a row repeats.
+        lin = (idx[:, 0] * bp.bcount_h + idx[:, 1]) * bp.bcount_w + idx[:, 2]
+        srt = lin.sort().values
+        dup = (srt[1:] == srt[:-1]).any().long().reshape(1)
+        lo0, lo1, lo2, hi0, hi1, hi2, has_dup = torch.cat([idx.amin(0), idx.amax(0), dup]).tolist()
+        for name, lo, hi, limit in (("n", lo0, hi0, batch), ("by", lo1, hi1, bp.bcount_h),
+                                    ("bx", lo2, hi2, bp.bcount_w)):
+            if lo < 0 or hi >= limit:
+                raise ValueError(
+                    f"{op}: indices column {name} out of range: values in [{lo}, {hi}], "
+                    f"must lie in [0, {limit})"
+                )
+        if has_dup:
+            raise ValueError(f"{op}: indices contain repeated rows; each (n, by, bx) must appear once")
+    return indices.to(torch.int32).contiguous()
+
+
+# --------------------------------------------------------------------------------------- dispatch
+def _kernels_for(device: torch.device) -> bool:
+    """Whether the compiled kernels serve ``device``; warns once per device type when they do not."""
+    from . import _library  # imported lazily: building the extension happens on first use
+
+    if _library.has_kernels(device.type):
+        return True
+    if device.type not in _warned_devices:
+        _warned_devices.add(device.type)
+        warnings.warn(
+            f"detector.ops: compiled sbnet kernels are not available for {device.type} "
+            f"({_library.unavailable_reason(device.type)}); using the slow pure-PyTorch reference",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return False
+
+
+# ------------------------------------------------------------------------------------------- ops
+def reduce_mask(mask: torch.Tensor, bp: BlockParams, tol: float = 0.5, avgpool: bool = False) -> torch.Tensor:
+    """Indices of the active blocks of ``mask``: int32 ``[K, 3]`` rows (n, by, bx), sorted, unique.
+
+    ``mask`` is ``[N, 1, H, W]`` at the *input* resolution (``H, W = bp.in_h, bp.in_w``), float or bool.
+    A block is active if the max (``avgpool=False``) or mean (``avgpool=True``) of the mask over its
+    input window is strictly greater than ``tol``. Only the part of the window inside the map counts:
+    the mean divides by the number of in-map pixels; a window wholly outside the map is never active.
+    The mean is accumulated in float64. Rows come in ascending (n, by, bx) order; deterministic.
+
+        for n, by, bx in grid (bp.bcount_h x bp.bcount_w per sample):
+            window = mask[n, 0, boffset_h + by*bstride_h : ... + bsize_h,
+                                boffset_w + bx*bstride_w : ... + bsize_w]   # in-map part
+            if window not empty and (mean if avgpool else max)(window) > tol: emit (n, by, bx)
+    """
+    op = "reduce_mask"
+    bp = _check_bp(op, bp)
+    mask = _check_tensor(op, "mask", mask, 4)
+    if mask.shape[1] != 1 or tuple(mask.shape[2:]) != bp.in_size:
+        raise ValueError(
+            f"{op}: mask must have shape [N, 1, {bp.in_h}, {bp.in_w}] (the block params' input map), "
+            f"got {tuple(mask.shape)}"
+        )
+    if mask.dtype == torch.bool:
+        mask = mask.to(torch.float32)
+    _check_float(op, "mask", mask)
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)):
+        raise TypeError(f"{op}: tol must be a float, got {type(tol).__name__}")
+    if _kernels_for(mask.device):
+        return torch.ops.sbnet.reduce_mask(
+            mask.contiguous(), list(bp.bsize), list(bp.bstride), list(bp.boffset), list(bp.bcount),
+            float(tol), bool(avgpool),
+        )
+    return reference.reduce_mask(mask, bp, float(tol), bool(avgpool))
+
+
+def sparse_gather(x: torch.Tensor, indices: torch.Tensor, bp: BlockParams) -> torch.Tensor:
+    """Gather the blocks at ``indices`` from ``x [N, C, H, W]`` into ``[K, C, bsize_h, bsize_w]``.
+
+    Pixels outside the map read as 0 (this is the convolution's zero padding; the whole tensor is
+    never padded).
+
+        for k, (n, by, bx) in enumerate(indices):
+            y, x0 = boffset_h + by*bstride_h, boffset_w + bx*bstride_w
+            blocks[k] = x[n, :, y : y + bsize_h, x0 : x0 + bsize_w]    # out-of-map pixels = 0
+
+    Backward: ``grad_x = zeros_like(x)``; each block's gradient is added at its window (halos add up).
+    """
+    op = "sparse_gather"
+    bp = _check_bp(op, bp)
+    x = _check_tensor(op, "x", x, 4)
+    _check_float(op, "x", x)
+    if tuple(x.shape[2:]) != bp.in_size:
+        raise ValueError(
+            f"{op}: x must be [N, C, {bp.in_h}, {bp.in_w}] (the block params' input map), "
+            f"got {tuple(x.shape)}"
+        )
+    indices = _check_indices(op, indices, x.shape[0], bp, x.device)
+    if _kernels_for(x.device):
+        return torch.ops.sbnet.sparse_gather(x, indices, list(bp.bsize), list(bp.bstride), list(bp.boffset))
+    return reference.sparse_gather(x, indices, bp)
+
+
+def _check_scatter(
+    op: str, blocks: torch.Tensor, indices: torch.Tensor, base: torch.Tensor, bp: BlockParams
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, BlockParams]:
+    bp = _check_bp(op, bp)
+    blocks = _check_tensor(op, "blocks", blocks, 4)
+    base = _check_tensor(op, "base", base, 4)
+    _check_float(op, "blocks", blocks)
+    if base.dtype != blocks.dtype:
+        raise TypeError(f"{op}: base ({base.dtype}) and blocks ({blocks.dtype}) must have the same dtype")
+    if base.device != blocks.device:
+        raise ValueError(f"{op}: base is on {base.device} but blocks are on {blocks.device}")
+    if tuple(base.shape[2:]) != bp.out_size:
+        raise ValueError(
+            f"{op}: base must be [N, C, {bp.out_h}, {bp.out_w}] (the block params' output map), "
+            f"got {tuple(base.shape)}"
+        )
+    if tuple(blocks.shape[2:]) != bp.obsize or blocks.shape[1] != base.shape[1]:
+        raise ValueError(
+            f"{op}: blocks must be [K, {base.shape[1]}, {bp.obsize_h}, {bp.obsize_w}] (base's channels, "
+            f"the output block size), got {tuple(blocks.shape)}"
+        )
+    if isinstance(indices, torch.Tensor) and indices.dim() == 2 and indices.shape[0] != blocks.shape[0]:
+        raise ValueError(
+            f"{op}: blocks has {blocks.shape[0]} blocks but indices has {indices.shape[0]} rows"
+        )
+    indices = _check_indices(op, indices, base.shape[0], bp, base.device)
+    return blocks, indices, base, bp
+
+
+def sparse_scatter(
+    blocks: torch.Tensor, indices: torch.Tensor, base: torch.Tensor, bp: BlockParams, add: bool = True
+) -> torch.Tensor:
+    """A copy of ``base [N, C, out_h, out_w]`` with each block's output tile written or added.
+
+    ``blocks`` is ``[K, C, obsize_h, obsize_w]``; tile rows/columns outside the output map are dropped.
+    Tiles do not overlap (the grid's output tiles partition the output map).
+
+        out = copy(base)
+        for k, (n, by, bx) in enumerate(indices):
+            y, x0 = by*obsize_h, bx*obsize_w
+            out[n, :, y : y + obsize_h, x0 : x0 + obsize_w] (+)= blocks[k]   # clipped to the map
+
+    Backward: ``grad_blocks`` = gather of ``grad_out`` at the tiles (zeros outside the map);
+    ``grad_base`` = ``grad_out`` (``add=True``) or ``grad_out`` with the tiles zeroed (``add=False``).
+    """
+    op = "sparse_scatter"
+    blocks, indices, base, bp = _check_scatter(op, blocks, indices, base, bp)
+    if _kernels_for(base.device):
+        return torch.ops.sbnet.sparse_scatter(blocks, indices, base, list(bp.obsize), [0, 0], bool(add))
+    return reference.sparse_scatter(blocks, indices, base, bp, bool(add))
+
+
+def sparse_scatter_(
+    blocks: torch.Tensor, indices: torch.Tensor, base: torch.Tensor, bp: BlockParams, add: bool = True
+) -> torch.Tensor:
+    """In-place :func:`sparse_scatter` into ``base`` (inference only: no autograd); returns ``base``.
+
+    Raises if autograd would need it (grad mode on and ``blocks`` or ``base`` requires grad): use
+    :func:`sparse_scatter` for training.
+    """
+    op = "sparse_scatter_"
+    blocks, indices, base, bp = _check_scatter(op, blocks, indices, base, bp)
+    if torch.is_grad_enabled() and (blocks.requires_grad or base.requires_grad):
+        raise RuntimeError(
+            f"{op}: the in-place scatter is for inference; blocks or base requires grad "
+            "(use sparse_scatter, or run under torch.no_grad())"
+        )
+    if _kernels_for(base.device):
+        torch.ops.sbnet.sparse_scatter_(blocks, indices, base, list(bp.obsize), [0, 0], bool(add))
+        return base
+    with torch.no_grad():
+        return reference.sparse_scatter_(blocks, indices, base, bp, bool(add))

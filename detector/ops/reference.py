@@ -1,0 +1,106 @@
+"""Pure-PyTorch reference of the sparse-block ops: the test oracle and the fallback without kernels.
+
+Written to read like the pseudo-code in :mod:`detector.ops.functional` (one Python loop over blocks,
+slices clipped to the map), not to be fast. Differentiable through autograd (the slice copies are
+ordinary in-place ops on fresh tensors). Arguments are assumed checked by the functional layer.
+
+Conventions shared with the kernels:
+- a block's window is clipped to the map; pixels outside it read as 0 (gather) or are skipped (scatter);
+- ``reduce_mask`` looks only at the in-map part of a block's window: max or mean over those pixels
+  (the mean divides by their count, so a border block is not diluted by the padding); a block whose
+  window lies wholly outside the map is never active. The mean is accumulated in float64.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .blocks import BlockParams
+
+__all__ = ["reduce_mask", "sparse_gather", "sparse_scatter", "sparse_scatter_"]
+
+
+def _clip(start: int, length: int, limit: int) -> tuple[int, int]:
+    """``[start, start + length)`` clipped to ``[0, limit)`` as (lo, hi); lo >= hi means empty."""
+    return max(start, 0), min(start + length, limit)
+
+
+def reduce_mask(mask: torch.Tensor, bp: BlockParams, tol: float, avgpool: bool = False) -> torch.Tensor:
+    """Active blocks of ``mask [N, 1, H, W]`` as int32 ``[K, 3]`` rows (n, by, bx), sorted.
+
+    for n, by, bx in grid:
+        window = mask[n, 0, boffset_h + by*bstride_h : ... + bsize_h,
+                            boffset_w + bx*bstride_w : ... + bsize_w]   # in-map part only
+        if window not empty and (mean if avgpool else max)(window) > tol: emit (n, by, bx)
+    """
+    N, _, H, W = mask.shape
+    active: list[tuple[int, int, int]] = []
+    for n in range(N):
+        for by in range(bp.bcount_h):
+            y0, y1 = _clip(bp.boffset_h + by * bp.bstride_h, bp.bsize_h, H)
+            for bx in range(bp.bcount_w):
+                x0, x1 = _clip(bp.boffset_w + bx * bp.bstride_w, bp.bsize_w, W)
+                if y0 >= y1 or x0 >= x1:
+                    continue
+                window = mask[n, 0, y0:y1, x0:x1].double()
+                value = window.mean() if avgpool else window.max()
+                if value.item() > tol:
+                    active.append((n, by, bx))
+    return torch.tensor(active, dtype=torch.int32, device=mask.device).reshape(-1, 3)
+
+
+def sparse_gather(x: torch.Tensor, indices: torch.Tensor, bp: BlockParams) -> torch.Tensor:
+    """Blocks of ``x [N, C, H, W]`` at ``indices``: ``[K, C, bsize_h, bsize_w]``, zeros outside the map.
+
+    for k, (n, by, bx) in enumerate(indices):
+        y, x0 = boffset_h + by*bstride_h, boffset_w + bx*bstride_w
+        blocks[k] = x[n, :, y : y + bsize_h, x0 : x0 + bsize_w]      # out-of-map pixels = 0
+    """
+    N, C, H, W = x.shape
+    blocks = x.new_zeros((indices.shape[0], C, bp.bsize_h, bp.bsize_w))
+    for k, (n, by, bx) in enumerate(indices.tolist()):
+        top, left = bp.boffset_h + by * bp.bstride_h, bp.boffset_w + bx * bp.bstride_w
+        y0, y1 = _clip(top, bp.bsize_h, H)
+        x0, x1 = _clip(left, bp.bsize_w, W)
+        if y0 < y1 and x0 < x1:
+            blocks[k, :, y0 - top : y1 - top, x0 - left : x1 - left] = x[n, :, y0:y1, x0:x1]
+    return blocks
+
+
+def _write_tiles(
+    blocks: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, bp: BlockParams, add: bool
+) -> None:
+    """Write (or add) each block's output tile into ``out`` in place, clipped to the output map."""
+    _, _, Ho, Wo = out.shape
+    for k, (n, by, bx) in enumerate(indices.tolist()):
+        top, left = by * bp.obsize_h, bx * bp.obsize_w
+        y0, y1 = _clip(top, bp.obsize_h, Ho)
+        x0, x1 = _clip(left, bp.obsize_w, Wo)
+        tile = blocks[k, :, y0 - top : y1 - top, x0 - left : x1 - left]
+        if add:
+            out[n, :, y0:y1, x0:x1] += tile
+        else:
+            out[n, :, y0:y1, x0:x1] = tile
+
+
+def sparse_scatter(
+    blocks: torch.Tensor, indices: torch.Tensor, base: torch.Tensor, bp: BlockParams, add: bool = True
+) -> torch.Tensor:
+    """A copy of ``base [N, C, H', W']`` with each block's output tile written (or added).
+
+    out = copy(base)
+    for k, (n, by, bx) in enumerate(indices):
+        y, x0 = by*obsize_h, bx*obsize_w                              # tiles do not overlap
+        out[n, :, y : y + obsize_h, x0 : x0 + obsize_w] (+)= blocks[k]   # clipped to the map
+    """
+    out = base.clone()
+    _write_tiles(blocks, indices, out, bp, add)
+    return out
+
+
+def sparse_scatter_(
+    blocks: torch.Tensor, indices: torch.Tensor, base: torch.Tensor, bp: BlockParams, add: bool = True
+) -> torch.Tensor:
+    """:func:`sparse_scatter` writing into ``base`` itself; returns ``base``."""
+    _write_tiles(blocks, indices, base, bp, add)
+    return base
