@@ -1,0 +1,98 @@
+"""Validate every file of a KITTI-format root and print a summary.
+
+    python scripts/inspect_dataset.py root=DIR [split_dir=training] [max_frames=0]
+
+Exits with status 1, naming each bad file, when any file is invalid.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from detector.cli import parse_args
+from detector.data.kitti import DIFFICULTY_LEVELS, KittiFormatError, KittiRoot, difficulty
+
+USAGE = __doc__
+
+
+def inspect(root: str, split_dir: str = "training", max_frames: int = 0) -> tuple[str, list[str]]:
+    """Return (summary text, list of error messages)."""
+    kroot = KittiRoot(root, split_dir)
+    errors: list[str] = []
+    splits: dict[str, list[str]] = {}
+    for p in sorted((kroot.root / "ImageSets").glob("*.txt")):
+        try:
+            splits[p.stem] = kroot.imageset(p.stem)
+        except KittiFormatError as e:
+            errors.append(str(e))
+    on_disk = sorted(p.stem for p in (kroot.dir / "velodyne").glob("*.bin"))
+    ids = on_disk[:max_frames] if max_frames > 0 else on_disk
+    listed = {i for s in splits.values() for i in s}
+    for i in sorted(listed - set(on_disk)):
+        errors.append(f"{kroot.path('velodyne', i)}: frame {i} is listed in ImageSets but has no point cloud")
+    road = kroot.has_road_maps()
+    n_points, per_class, dist = [], defaultdict(Counter), defaultdict(list)
+    for i in ids:
+        try:
+            f = kroot.read_frame(i, road_map=road)
+        except KittiFormatError as e:
+            errors.append(str(e))
+            continue
+        n_points.append(len(f.points))
+        if f.labels is None:
+            continue
+        lvl = difficulty(f.labels)
+        for name, d in zip(f.labels.name, lvl):
+            per_class[name]["total"] += 1
+            if name == "DontCare":
+                continue
+            for k, level in enumerate(DIFFICULTY_LEVELS):
+                per_class[name][level] += int(0 <= d <= k)
+        for name, c in zip(f.gt_names, f.gt_boxes.center.numpy()):
+            dist[name].append(float(np.hypot(c[0], c[1])))
+
+    lines = [f"KITTI-format root: {Path(root).resolve()}  ({split_dir})"]
+    lines.append(f"frames on disk: {len(on_disk)}" + (f" (checked {len(ids)})" if len(ids) < len(on_disk) else ""))
+    for name, s in splits.items():
+        lines.append(f"  split {name:<10} {len(s):6d} frames")
+    lines.append(f"road maps: {'yes' if road else 'no'}")
+    if n_points:
+        p = np.array(n_points)
+        lines.append(f"points per frame: mean {p.mean():.0f}, min {p.min()}, max {p.max()}")
+    if per_class:
+        lines.append("")
+        lines.append(f"{'class':<15}{'objects':>9}{'easy':>8}{'moderate':>10}{'hard':>8}   distance m (min / median / max)")
+        for name in sorted(per_class, key=lambda n: -per_class[n]["total"]):
+            c = per_class[name]
+            d = np.array(dist.get(name, []))
+            drange = f"{d.min():6.1f} / {np.median(d):6.1f} / {d.max():6.1f}" if len(d) else "-"
+            lines.append(f"{name:<15}{c['total']:9d}{c['easy']:8d}{c['moderate']:10d}{c['hard']:8d}   {drange}")
+        frames_lab = max(len(n_points), 1)
+        lines.append(f"objects per frame (all classes, DontCare included): {sum(c['total'] for c in per_class.values()) / frames_lab:.1f}")
+    return "\n".join(lines), errors
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv, {"root": None, "split_dir": "training", "max_frames": 0}, USAGE)
+    if args["root"] is None:
+        raise SystemExit(f"error: root=DIR is required\n{USAGE}")
+    try:
+        summary, errors = inspect(args["root"], args["split_dir"], args["max_frames"])
+    except KittiFormatError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(summary)
+    if errors:
+        print(f"\n{len(errors)} invalid file(s):", file=sys.stderr)
+        for e in errors:
+            print(f"  {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
