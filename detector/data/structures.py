@@ -277,3 +277,19 @@ def collate_frames(frames: Sequence[Frame]) -> Batch:
         pts.append(torch.cat([torch.full((p.shape[0], 1), float(i)), p], dim=1))
     points = torch.cat(pts) if pts else torch.zeros(0, 5)
     return Batch(points, [f.gt_boxes for f in frames], [f.gt_names for f in frames], list(frames))
+
+
+@dataclass
+class Detections:
+    """One frame's detections: boxes in the LiDAR frame, scores [N], class indices [N] (into the
+    detector's class list)."""
+
+    boxes: Boxes3D
+    scores: torch.Tensor
+    labels: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.boxes)
+
+    def to(self, device: torch.device | str) -> Detections:
+        return Detections(self.boxes.to(device), self.scores.to(device), self.labels.to(device))
