@@ -249,12 +249,14 @@ class Frame:
 
 @dataclass
 class Batch:
-    """Frames collated for the model. ``points`` [ΣN, 5] = (batch index, x, y, z, reflectance)."""
+    """Frames collated for the model. ``points`` [ΣN, 5] = (batch index, x, y, z, reflectance).
+    ``mask`` [B, 1, H, W] is the computation mask of a data-side mask provider (road map, ground), if any."""
 
     points: torch.Tensor
     gt_boxes: list[Boxes3D]
     gt_names: list[np.ndarray]
     frames: list[Frame]
+    mask: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -266,6 +268,7 @@ class Batch:
             [b.to(device) for b in self.gt_boxes],
             self.gt_names,
             self.frames,
+            None if self.mask is None else self.mask.to(device, non_blocking=True),
         )
 
 
