@@ -1,0 +1,168 @@
+"""The BEV detector: voxelize → computation mask → sparse backbone → top-down neck → dense head.
+
+A plain ``nn.Module`` (the LightningModule wraps it). The same weights run sparse (given a mask) or
+dense (``mask=None``); where the mask comes from:
+
+- a data-side provider (road map, ground plane) puts it in ``Batch.mask``;
+- a :class:`~detector.models.mask_net.MaskNet` (``mask_net``) predicts it from the BEV input; in
+  training the computation mask is the ground truth's, the prediction's, or their union
+  (``train_mask_source``), and the mask network learns from the dilated ground-truth boxes;
+- neither: dense.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from detector.data.masks import boxes_mask
+from detector.data.structures import Batch, Detections
+from detector.data.voxelize import BevGrid, voxelize
+from detector.models.head import DetectionHead
+from detector.models.losses import LossTerms, detection_loss, mask_loss
+from detector.models.mask_net import MaskNet
+from detector.models.targets import BoxCoder
+from detector.nn.resnet import SparseResNet
+
+
+class TopDownNeck(nn.Module):
+    """FPN-style top-down path: from the deepest stage, upsample ×2, add the 1x1 lateral of the next
+    shallower stage, 3x3 conv-BN-ReLU; stops at ``out_stride``."""
+
+    def __init__(self, in_channels: Sequence[int], strides: Sequence[int], out_stride: int = 4, channels: int = 96):
+        super().__init__()
+        use = [i for i, s in enumerate(strides) if s >= out_stride]
+        if not use or strides[use[0]] != out_stride:
+            raise ValueError(f"TopDownNeck: no backbone stage at stride {out_stride} (strides {list(strides)})")
+        for a, b in zip(use, use[1:]):
+            if strides[b] != 2 * strides[a]:
+                raise ValueError(f"TopDownNeck: stage strides must double, got {list(strides)}")
+        self.use = use
+        self.out_stride = out_stride
+        self.lateral = nn.ModuleList(nn.Conv2d(in_channels[i], channels, 1) for i in use)
+        self.smooth = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU(inplace=True))
+            for _ in use
+        )
+        self.out_channels = channels
+
+    def forward(self, feats: Sequence[torch.Tensor]) -> torch.Tensor:
+        x = None
+        for j in reversed(range(len(self.use))):
+            lat = self.lateral[j](feats[self.use[j]])
+            if x is not None:
+                x = F.interpolate(x, size=lat.shape[-2:], mode="nearest")
+                lat = lat + x
+            x = self.smooth[j](lat)
+        return x
+
+
+@dataclass
+class DetectorOutput:
+    heatmap: torch.Tensor  # [B, K, h, w] logits
+    regression: torch.Tensor  # [B, 8, h, w]
+    mask: torch.Tensor | None  # [B, 1, H, W] computation mask used (None: dense)
+    mask_logits: torch.Tensor | None = None  # MaskNet output at 1/d resolution
+    sparsity: float = 0.0  # fraction of the input grid outside the mask
+    times: dict[str, float] = field(default_factory=dict)  # seconds per stage of the forward
+
+
+class BevDetector(nn.Module):
+    def __init__(
+        self,
+        grid: BevGrid,
+        backbone: SparseResNet,
+        coder: BoxCoder,
+        neck_channels: int = 96,
+        head_channels: int = 64,
+        out_stride: int = 4,
+        mask_net: MaskNet | None = None,
+        train_mask_source: str = "union",
+        mask_dilation_m: float = 2.0,
+        mask_loss_kind: str = "focal",
+        mask_loss_weight: float = 1.0,
+        use_data_mask: bool = True,
+    ):
+        super().__init__()
+        if train_mask_source not in ("gt", "predicted", "union"):
+            raise ValueError(f"train_mask_source must be gt, predicted or union, got {train_mask_source!r}")
+        if grid.H % out_stride or grid.W % out_stride:
+            raise ValueError(f"BEV grid {grid.H}x{grid.W} is not divisible by the head's stride {out_stride}")
+        self.grid = grid
+        self.out_grid = grid.downsampled(out_stride)
+        self.coder = coder
+        self.backbone = backbone
+        self.neck = TopDownNeck(backbone.out_channels, backbone.strides, out_stride, neck_channels)
+        self.head = DetectionHead(neck_channels, coder.num_classes, head_channels)
+        self.mask_net = mask_net
+        self.train_mask_source = train_mask_source
+        self.mask_dilation_m = mask_dilation_m
+        self.mask_loss_kind = mask_loss_kind
+        self.mask_loss_weight = mask_loss_weight
+        self.use_data_mask = use_data_mask
+        self.timing = False  # record per-stage wall times (synchronizes on CUDA)
+
+    # --- forward ------------------------------------------------------------------------------------
+    def _tick(self, times: dict, key: str, t0: float) -> float:
+        if not self.timing:
+            return t0
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        times[key] = times.get(key, 0.0) + t - t0
+        return t
+
+    def voxelize(self, batch: Batch) -> torch.Tensor:
+        bev, _ = voxelize(batch.points, batch.size, self.grid)
+        return bev
+
+    def forward(self, batch: Batch, bev: torch.Tensor | None = None) -> DetectorOutput:
+        times: dict[str, float] = {}
+        t = self._tick(times, "start", time.perf_counter())
+        if bev is None:
+            bev = self.voxelize(batch)
+        t = self._tick(times, "voxelize", t)
+        mask, mask_logits = None, None
+        if self.mask_net is not None:
+            mask_logits = self.mask_net(bev)
+            mask = self.mask_net.computation_mask(mask_logits, bev.shape[-2:])
+            if self.training and self.train_mask_source != "predicted":
+                gt = boxes_mask(batch.gt_boxes, self.grid, self.mask_dilation_m, downsample=1).to(bev)
+                mask = gt if self.train_mask_source == "gt" else torch.maximum(mask, gt)
+        elif self.use_data_mask and batch.mask is not None:
+            mask = batch.mask.to(bev)
+        t = self._tick(times, "mask", t)
+        feats = self.backbone(bev, mask)
+        t = self._tick(times, "backbone", t)
+        heat, reg = self.head(self.neck(feats))
+        self._tick(times, "head", t)
+        sparsity = 0.0 if mask is None else float(1.0 - mask.mean())
+        return DetectorOutput(heat, reg, mask, mask_logits, sparsity, times)
+
+    # --- training -----------------------------------------------------------------------------------
+    def loss(self, out: DetectorOutput, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        targets = self.coder.encode(batch.gt_boxes, batch.gt_names, self.out_grid)
+        terms: LossTerms = detection_loss(out.heatmap, out.regression, targets)
+        total = terms.total
+        logs = {"loss/cls": terms.cls.detach(), "loss/reg": terms.reg.detach()}
+        if out.mask_logits is not None:
+            d = self.mask_net.downsample
+            target = boxes_mask(batch.gt_boxes, self.grid, self.mask_dilation_m, downsample=d).to(out.mask_logits)
+            ml = mask_loss(out.mask_logits, target, self.mask_loss_kind)
+            total = total + self.mask_loss_weight * ml
+            logs["loss/mask"] = ml.detach()
+        logs["loss/total"] = total.detach()
+        return total, logs
+
+    # --- inference ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def decode(self, out: DetectorOutput, **kwargs) -> list[Detections]:
+        t0 = time.perf_counter()
+        dets = self.coder.decode(out.heatmap, out.regression, self.out_grid, **kwargs)
+        self._tick(out.times, "decode", t0)
+        return dets

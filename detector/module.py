@@ -1,0 +1,160 @@
+"""The LightningModule: training and validation steps around the plain :class:`BevDetector`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from detector.data.kitti import KittiLabels, boxes_to_labels
+from detector.data.structures import Batch, Detections
+from detector.models.detector import BevDetector
+
+
+def detections_to_labels(dets: Detections, classes: Sequence[str], frame) -> KittiLabels:
+    """One frame's detections as KITTI result records (camera frame, projected 2D box, alpha, score)."""
+    names = np.asarray(classes)[dets.labels.cpu().numpy()] if len(dets) else np.zeros(0, "<U16")
+    return boxes_to_labels(dets.boxes.to("cpu", torch.float64), names, frame.calib, scores=dets.scores.cpu().numpy())
+
+
+def in_range_gt(labels: KittiLabels, boxes_lidar: np.ndarray, grid) -> KittiLabels:
+    """The ground truth the detector can see: objects whose centre lies inside the BEV grid (DontCare
+    kept). Objects outside the grid are dropped, as in PIXOR's evaluation."""
+    obj = labels.name != "DontCare"
+    keep = ~obj
+    x, y = boxes_lidar[:, 0], boxes_lidar[:, 1]
+    inside = (x >= grid.x_range[0]) & (x < grid.x_range[1]) & (y >= grid.y_range[0]) & (y < grid.y_range[1])
+    keep[np.flatnonzero(obj)] = inside
+    return labels.select(keep)
+
+
+class DetectorModule(L.LightningModule):
+    """Holds the detector; the optimizer and schedule come from config as partials.
+
+    ``optimizer``: ``params -> Optimizer``; ``scheduler``: ``(optimizer, total_steps) -> LRScheduler``
+    stepped every optimizer step (one-cycle by default).
+    """
+
+    def __init__(
+        self,
+        model: BevDetector,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        scheduler: Callable[..., Any] | None = None,
+        eval_classes: Sequence[str] | None = None,
+        image_every_n_val: int = 1,
+        config: dict | None = None,
+    ):
+        super().__init__()
+        self.model = model
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = scheduler
+        self.classes = list(model.coder.classes)
+        self.eval_classes = list(eval_classes or [c for c in self.classes if c in ("Car", "Pedestrian", "Cyclist")])
+        self.image_every_n_val = image_every_n_val
+        # The resolved config goes into the checkpoint as plain containers (loadable with weights_only).
+        self.save_hyperparameters({"config": config or {}}, logger=False)
+        self._val_records: list[tuple[str, KittiLabels, KittiLabels]] = []
+        self._val_image = None
+        self.last_metrics: dict | None = None
+
+    # --- data -------------------------------------------------------------------------------------
+    def transfer_batch_to_device(self, batch: Batch, device: torch.device, dataloader_idx: int) -> Batch:
+        return batch.to(device)
+
+    # --- steps ------------------------------------------------------------------------------------
+    def forward(self, batch: Batch):
+        return self.model(batch)
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        t0 = time.perf_counter()
+        self.model.timing = True
+        out = self.model(batch)
+        loss, logs = self.model.loss(out, batch)
+        B = batch.size
+        self.log_dict({f"train/{k}": v for k, v in logs.items()}, batch_size=B, prog_bar=False)
+        self.log("train/loss", loss.detach(), batch_size=B, prog_bar=True)
+        self.log("train/mask_sparsity", out.sparsity, batch_size=B)
+        if "backbone" in out.times:
+            self.log("train/backbone_ms_per_frame", 1000 * out.times["backbone"] / B, batch_size=B)
+        self.log("train/step_forward_ms", 1000 * (time.perf_counter() - t0), batch_size=B)
+        return loss
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        self.model.timing = True
+        out = self.model(batch)
+        dets = self.model.decode(out)
+        B = batch.size
+        self.log("val/mask_sparsity", out.sparsity, batch_size=B, sync_dist=True)
+        for k in ("backbone", "voxelize", "mask", "head", "decode"):
+            if k in out.times:
+                self.log(f"val/time_{k}_ms_per_frame", 1000 * out.times[k] / B, batch_size=B, sync_dist=True)
+        for f, d, gtb in zip(batch.frames, dets, batch.gt_boxes):
+            if f.labels is None:
+                continue
+            raw = f.labels
+            obj = raw.name != "DontCare"
+            lidar = np.zeros((len(raw), 7))
+            lidar[obj] = gtb.tensor.detach().cpu().double().numpy()
+            self._val_records.append((f.frame_id, in_range_gt(raw, lidar, self.model.grid),
+                                      detections_to_labels(d, self.classes, f)))
+        if batch_idx == 0 and self._val_image is None:
+            self._val_image = (batch.frames[0], dets[0].to("cpu"), None if out.mask is None else out.mask[0, 0].cpu())
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_records = []
+        self._val_image = None
+
+    def on_validation_epoch_end(self) -> None:
+        from detector.eval.kitti_metric import evaluate
+
+        records = self._val_records
+        if dist.is_available() and dist.is_initialized():
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, records)
+            records = [r for part in gathered for r in part]
+        # Padding of the distributed sampler repeats frames: keep each frame once.
+        seen, unique = set(), []
+        for r in records:
+            if r[0] not in seen:
+                seen.add(r[0])
+                unique.append(r)
+        self._val_records = []
+        if not unique:
+            return
+        result = evaluate([r[1] for r in unique], [r[2] for r in unique], classes=self.eval_classes)
+        metrics = result.to_json()
+        self.last_metrics = metrics
+        flat = {}
+        for cls in self.eval_classes:
+            for metric in ("bev", "3d", "2d", "aos"):
+                for level in ("easy", "moderate", "hard"):
+                    v = metrics.get(cls, {}).get(metric, {}).get("R40", {}).get(level)
+                    if v is not None:
+                        flat[f"val/AP_{cls}_{metric}_R40_{level}"] = float(v)
+        if flat:
+            self.log_dict(flat, sync_dist=False, rank_zero_only=True)
+        if self._val_image is not None and self.trainer.is_global_zero and self.logger is not None:
+            self._log_bev_image(*self._val_image)
+
+    def _log_bev_image(self, frame, dets, mask) -> None:
+        from detector.viz import bev_image
+
+        exp = getattr(self.logger, "experiment", None)
+        if exp is None or not hasattr(exp, "add_image"):
+            return
+        img = bev_image(frame.points, self.model.grid, gt_boxes=frame.gt_boxes, det_boxes=dets.boxes,
+                        det_scores=dets.scores, mask=mask)
+        exp.add_image("val/bev", img, self.global_step, dataformats="HWC")
+
+    # --- optimization -----------------------------------------------------------------------------
+    def configure_optimizers(self):
+        opt = self.optimizer_factory(params=[p for p in self.parameters() if p.requires_grad])
+        if self.scheduler_factory is None:
+            return opt
+        sched = self.scheduler_factory(optimizer=opt, total_steps=int(self.trainer.estimated_stepping_batches))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -1,0 +1,273 @@
+"""``train(cfg)`` and ``evaluate(cfg)``: plain functions; config reaches code only through instantiate here."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from detector.callbacks import AtomicCheckpointIO, load_checkpoint
+from detector.data.datamodule import KittiDataModule
+from detector.data.kitti import KittiRoot, write_label
+from detector.data.voxelize import BevGrid
+from detector.models.detector import BevDetector
+from detector.module import DetectorModule, detections_to_labels, in_range_gt
+
+log = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the key."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Building blocks
+# --------------------------------------------------------------------------------------------------
+def build_grid(bev_cfg: DictConfig) -> BevGrid:
+    try:
+        return instantiate(bev_cfg)
+    except Exception as e:
+        raise ConfigError(f"bev: {_root_cause(e)}") from None
+
+
+def build_model(model_cfg: DictConfig, mask_cfg: DictConfig, grid: BevGrid) -> BevDetector:
+    block = model_cfg.block_size
+    sparse = bool(model_cfg.sparse)
+    backbone = instantiate(model_cfg.backbone, in_channels=grid.C, block_size=block if sparse else "dense")
+    coder = instantiate(model_cfg.coder, classes=list(model_cfg.classes))
+    mask_net = None
+    if sparse and mask_cfg.get("net") is not None:
+        mask_net = instantiate(mask_cfg.net, in_channels=grid.C)
+    return BevDetector(
+        grid, backbone, coder,
+        neck_channels=model_cfg.neck_channels, head_channels=model_cfg.head_channels,
+        out_stride=model_cfg.out_stride, mask_net=mask_net,
+        train_mask_source=mask_cfg.get("train_source", "union"),
+        mask_dilation_m=model_cfg.mask_dilation_m, use_data_mask=sparse,
+    )
+
+
+def decode_kwargs(model_cfg: DictConfig) -> dict[str, Any]:
+    return {"score_threshold": model_cfg.score_threshold, "nms_iou": model_cfg.nms_iou,
+            "max_detections": model_cfg.max_detections}
+
+
+def ensure_dataset(data_cfg: DictConfig) -> None:
+    """Generate the simulated dataset when it is missing and the data config allows it."""
+    root = Path(data_cfg.root)
+    if (root / "ImageSets" / f"{data_cfg.train_split}.txt").exists():
+        return
+    if not data_cfg.get("generate_if_missing", False):
+        raise ConfigError(f"data.root={root}: no KITTI-format dataset there (ImageSets/{data_cfg.train_split}.txt missing)")
+    from detector.data.sim import generate_dataset
+
+    log.info("dataset %s not found: generating %d simulated frames", root, data_cfg.generate_frames)
+    generate_dataset(root, frames=int(data_cfg.generate_frames), seed=int(data_cfg.get("seed", 0)))
+
+
+def build_datamodule(data_cfg: DictConfig, mask_cfg: DictConfig | None, grid: BevGrid, sparse: bool,
+                     batch_size: int | None = None) -> KittiDataModule:
+    provider = None
+    if sparse and mask_cfg is not None and mask_cfg.get("provider") is not None:
+        provider = instantiate(mask_cfg.provider)
+    augment = instantiate(data_cfg.augment, root=data_cfg.root) if data_cfg.get("augment") else None
+    kwargs = {k: v for k, v in OmegaConf.to_container(data_cfg, resolve=True).items()
+              if k not in ("_target_", "augment", "generate_if_missing", "generate_frames")}
+    if batch_size is not None:
+        kwargs["batch_size"] = batch_size
+    return KittiDataModule(grid=grid, augment=augment, mask_provider=provider, **kwargs)
+
+
+def _root_cause(e: BaseException) -> str:
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return str(e)
+
+
+def validate_config(cfg: DictConfig) -> None:
+    bs = cfg.data.batch_size
+    if not (bs == "auto" or (isinstance(bs, int) and not isinstance(bs, bool) and bs >= 1)):
+        raise ConfigError(f"data.batch_size must be a positive integer or 'auto', got {bs!r}")
+    if cfg.data.num_workers < 0:
+        raise ConfigError(f"data.num_workers must be >= 0, got {cfg.data.num_workers}")
+    bsz = cfg.model.block_size
+    if not (bsz in ("auto", "dense") or (isinstance(bsz, int) and bsz >= 1) or OmegaConf.is_list(bsz)):
+        raise ConfigError(f"model.block_size must be an int >= 1, auto, dense or a list, got {bsz!r}")
+    if cfg.optimizer.lr <= 0:
+        raise ConfigError(f"optimizer.lr must be positive, got {cfg.optimizer.lr}")
+    if not cfg.model.classes:
+        raise ConfigError("model.classes must name at least one class")
+
+
+# --------------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------------
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Train, then (``evaluate_after``) evaluate the best checkpoint on the val split.
+
+    Returns {"output_dir", "best_ckpt", "metrics", "wall_s"}."""
+    t_start = time.time()
+    validate_config(cfg)
+    out_dir = Path(cfg.paths.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"output directory: {out_dir.resolve()}")
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    grid = build_grid(cfg.bev)
+    ensure_dataset(cfg.data)
+    model = build_model(cfg.model, cfg.mask, grid)
+    sparse = bool(cfg.model.sparse)
+    bs = cfg.data.batch_size
+    if bs == "auto":
+        from detector.batch_size import find_batch_size
+
+        bs = find_batch_size(lambda b: build_datamodule(cfg.data, cfg.mask, grid, sparse, b), model)
+        print(f"data.batch_size=auto: using {bs}")
+    dm = build_datamodule(cfg.data, cfg.mask, grid, sparse, bs)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    config["data"]["batch_size"] = bs
+    module = DetectorModule(model, instantiate(cfg.optimizer), instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
+                            config=config)
+    callbacks = [instantiate(c) for c in cfg.get("callbacks", {}).values() if c is not None and "_target_" in c]
+    logger = instantiate(cfg.logger) if cfg.get("logger") and "_target_" in cfg.logger else False
+    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, plugins=[AtomicCheckpointIO()])
+    trainer.fit(module, datamodule=dm, ckpt_path=cfg.get("ckpt_path"))
+
+    result: dict[str, Any] = {"output_dir": str(out_dir), "best_ckpt": None, "metrics": None}
+    ckpt_cb = trainer.checkpoint_callback
+    best = getattr(ckpt_cb, "best_model_path", "") or getattr(ckpt_cb, "last_model_path", "") if ckpt_cb else ""
+    result["best_ckpt"] = best or None
+    if cfg.get("evaluate_after") and best and trainer.is_global_zero:
+        metrics = evaluate_checkpoint(best, cfg.data, out_dir / "eval", split=cfg.data.val_split)
+        result["metrics"] = metrics
+        if logger:
+            flat = {f"final/{c}_{m}_R40_{lvl}": v for c, ms in metrics.items() if isinstance(ms, dict)
+                    for m, r in ms.items() if isinstance(r, dict) and "R40" in r
+                    for lvl, v in r["R40"].items()}
+            logger.log_hyperparams(_flat_hparams(config), flat)
+    result["wall_s"] = time.time() - t_start
+    return result
+
+
+def _flat_hparams(config: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in config.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flat_hparams(v, key + "."))
+        elif isinstance(v, (int, float, str, bool)) or v is None:
+            out[key] = v if v is not None else "null"
+        else:
+            out[key] = str(v)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluation
+# --------------------------------------------------------------------------------------------------
+def load_detector(ckpt_path: str | Path, mask_override: str | None = None) -> tuple[BevDetector, DictConfig]:
+    """Rebuild the detector from a checkpoint's saved config and load its weights (weights_only)."""
+    ckpt = load_checkpoint(ckpt_path)
+    saved = ckpt.get("hyper_parameters", {}).get("config")
+    if not saved:
+        raise ConfigError(f"{ckpt_path}: checkpoint has no saved config (was it written by scripts/train.py?)")
+    cfg = OmegaConf.create(saved)
+    if mask_override is not None:
+        from hydra import compose, initialize_config_dir
+
+        with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "configs"), version_base=None):
+            cfg.mask = compose(config_name="train", overrides=[f"mask={mask_override}"]).mask
+    grid = build_grid(cfg.bev)
+    model = build_model(cfg.model, cfg.mask, grid)
+    state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    bad = [k for k in missing if not k.startswith("mask_net.")] + [k for k in unexpected if not k.startswith("mask_net.")]
+    if bad:
+        raise ConfigError(f"{ckpt_path}: weights do not fit the saved model config: {bad[:5]}")
+    return model, cfg
+
+
+@torch.no_grad()
+def evaluate_checkpoint(ckpt_path: str | Path, data_cfg: DictConfig, out_dir: str | Path, split: str,
+                        mask_override: str | None = None, write_results: bool = True,
+                        device: str | None = None) -> dict[str, Any]:
+    """Run a checkpoint over ``split`` of ``data_cfg.root``; print the KITTI table; write metrics.json and
+    (``write_results``) KITTI result files under ``out_dir/data``. Returns the metric JSON."""
+    from detector.eval.kitti_metric import evaluate
+
+    model, cfg = load_detector(ckpt_path, mask_override)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device).eval()
+    data_cfg = data_cfg.copy()
+    with open_dict(data_cfg):
+        data_cfg.val_split = split
+        data_cfg.augment = None
+        data_cfg.batch_size = int(data_cfg.eval_batch_size or 4)
+    dm = build_datamodule(data_cfg, cfg.mask, model.grid, bool(cfg.model.sparse))
+    loader = dm.val_dataloader()
+    out_dir = Path(out_dir)
+    res_dir = out_dir / "data"
+    if write_results:
+        res_dir.mkdir(parents=True, exist_ok=True)
+    gts, dts, sparsity, times = [], [], [], {}
+    n_frames = 0
+    classes = list(cfg.model.classes)
+    t0 = time.perf_counter()
+    model.timing = True
+    for batch in loader:
+        batch = batch.to(device)
+        out = model(batch)
+        dets = model.decode(out, **decode_kwargs(cfg.model))
+        sparsity.append(out.sparsity)
+        for k, v in out.times.items():
+            times[k] = times.get(k, 0.0) + v
+        for f, d, gtb in zip(batch.frames, dets, batch.gt_boxes):
+            n_frames += 1
+            res = detections_to_labels(d.to("cpu"), classes, f)
+            if write_results:
+                write_label(res_dir / f"{f.frame_id}.txt", res)
+            if f.labels is not None:
+                obj = f.labels.name != "DontCare"
+                lidar = np.zeros((len(f.labels), 7))
+                lidar[obj] = gtb.tensor.cpu().double().numpy()
+                gts.append(in_range_gt(f.labels, lidar, model.grid))
+                dts.append(res)
+    wall = time.perf_counter() - t0
+    eval_classes = [c for c in classes if c in ("Car", "Pedestrian", "Cyclist")]
+    result = evaluate(gts, dts, classes=eval_classes)
+    metrics = result.to_json()
+    g = model.grid
+    print(f"\nKITTI evaluation of {ckpt_path}\n{n_frames} frames of {data_cfg.root} split '{split}', "
+          f"objects within the BEV grid x [{g.x_range[0]}, {g.x_range[1]}) y [{g.y_range[0]}, {g.y_range[1]}) m; "
+          f"mask {'none (dense)' if not cfg.model.sparse else _mask_name(cfg.mask)}, "
+          f"mean sparsity {np.mean(sparsity):.3f}")
+    print(result.table())
+    summary = {"frames": n_frames, "ms_per_frame": 1000 * wall / max(n_frames, 1),
+               "time_ms_per_frame": {k: 1000 * v / max(n_frames, 1) for k, v in times.items() if k != "start"},
+               "mean_sparsity": float(np.mean(sparsity)) if sparsity else 0.0, "checkpoint": str(ckpt_path)}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "metrics.json").write_text(json.dumps({**metrics, "_run": summary}, indent=1))
+    print(f"metrics: {out_dir / 'metrics.json'}" + (f"; KITTI result files: {res_dir}" if write_results else ""))
+    return metrics
+
+
+def _mask_name(mask_cfg: DictConfig) -> str:
+    if mask_cfg.get("net") is not None:
+        return "predicted"
+    p = mask_cfg.get("provider")
+    return p["_target_"].rsplit(".", 1)[-1] if p is not None else "none"
+
+
+def evaluate(cfg: DictConfig) -> dict[str, Any]:
+    out_dir = Path(cfg.paths.output_dir)
+    print(f"output directory: {out_dir.resolve()}")
+    KittiRoot(cfg.data.root)  # clear error when the root is missing
+    return evaluate_checkpoint(cfg.ckpt_path, cfg.data, out_dir, split=cfg.split, mask_override=cfg.get("mask"),
+                               write_results=cfg.write_results)
