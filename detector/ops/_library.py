@@ -1,9 +1,10 @@
 """Build (JIT, cached) and load the sbnet kernels; register their fake and autograd formulas.
 
-``load()`` compiles ``kernels/ops.cpp`` (the ``TORCH_LIBRARY(sbnet, m)`` schemas) and
+``load()`` (through :func:`build`) compiles ``kernels/ops.cpp`` (the ``TORCH_LIBRARY(sbnet, m)`` schemas) and
 ``kernels/cpu/*.cpp`` (OpenMP) with :func:`torch.utils.cpp_extension.load`, plus ``kernels/cuda/*.cu``
 when ``torch.cuda.is_available()`` and nvcc (``CUDA_HOME``) is found, into a build folder that is kept
-between runs (``build/sbnet_kernels`` in the repository, or ``$DETECTOR_KERNELS_BUILD_DIR``); ninja
+between runs (``build/sbnet_kernels/<variant>-torch<version>`` in the repository, or under
+``$DETECTOR_KERNELS_BUILD_DIR``); ninja
 rebuilds only what changed. It then registers, once, a fake (meta) kernel and an autograd formula for
 each op with :mod:`torch.library`. If no compiler is there or the build fails, the functional layer
 warns once and the ops run the pure-PyTorch reference (see :mod:`detector.ops.functional`).
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["load", "has_kernels", "unavailable_reason", "kernels_dir", "build_dir"]
+__all__ = ["load", "build", "sources", "has_kernels", "unavailable_reason", "kernels_dir", "build_dir"]
 
 _lock = threading.Lock()
 _attempted = False
@@ -40,7 +41,7 @@ def build_dir(with_cuda: bool) -> Path:
     """Where the extension is built and cached (one sub-folder per CPU-only / CUDA variant)."""
     root = os.environ.get("DETECTOR_KERNELS_BUILD_DIR")
     base = Path(root) if root else Path(__file__).resolve().parents[2] / "build" / "sbnet_kernels"
-    return base / ("cuda" if with_cuda else "cpu")
+    return base / f"{'cuda' if with_cuda else 'cpu'}-torch{torch.__version__}"
 
 
 def _cuda_wanted() -> tuple[bool, str]:
@@ -131,6 +132,15 @@ def _register_python_side() -> None:
     torch.library.register_autograd("sbnet::sparse_scatter", scatter_backward, setup_context=scatter_setup)
 
 
+def _stale(library: Path, src: Path) -> bool:
+    """Whether the cached library is missing or older than a kernel source (only for the message:
+    torch's loader decides what to rebuild)."""
+    if not library.exists():
+        return True
+    newest = max(p.stat().st_mtime for p in src.rglob("*") if p.suffix in (".cpp", ".cu", ".h", ".cuh"))
+    return library.stat().st_mtime < newest
+
+
 def _fail(reason: str, verbose: bool) -> bool:
     """Record why the kernels are unavailable (the functional layer warns once with it)."""
     global _reason
@@ -139,6 +149,49 @@ def _fail(reason: str, verbose: bool) -> bool:
         print(f"detector.ops: sbnet kernels unavailable: {reason}; ops use the pure-PyTorch reference",
               flush=True)
     return False
+
+
+def sources(with_cuda: bool) -> list[str]:
+    """The extension's source files: schemas, CPU kernels and (``with_cuda``) CUDA kernels."""
+    src = kernels_dir()
+    files = [str(src / "ops.cpp")] + sorted(glob.glob(str(src / "cpu" / "*.cpp")))
+    if with_cuda:
+        files += sorted(glob.glob(str(src / "cuda" / "*.cu")))
+    return files
+
+
+def build(with_cuda: bool, verbose: bool = False) -> Path:
+    """Compile (ninja: only what changed) and load the extension; returns the shared library's path.
+
+    Raises on any failure. ``with_cuda=True`` needs nvcc (``CUDA_HOME``) and a CUDA build of torch but
+    no GPU: ``make kernels-cuda`` uses it as the CUDA compile check.
+    """
+    from torch.utils.cpp_extension import load as cpp_load
+
+    src = kernels_dir()
+    files = sources(with_cuda)
+    missing = [f for f in files[:1] if not Path(f).exists()]
+    if missing or len(files) == 1:
+        raise FileNotFoundError(f"kernel sources not found under {src}")
+    out = build_dir(with_cuda)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "sbnet_kernels_cuda" if with_cuda else "sbnet_kernels_cpu"
+    if verbose or _stale(out / f"{name}.so", src):
+        print(f"detector.ops: building sbnet kernels ({'CPU+CUDA' if with_cuda else 'CPU'}) in {out} "
+              "(first use; about a minute)", flush=True)
+    cpp_load(
+        name=name,
+        sources=files,
+        extra_include_paths=[str(src)],
+        extra_cflags=["-O3", "-fopenmp"],
+        extra_cuda_cflags=["-O3"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(out),
+        with_cuda=with_cuda,
+        is_python_module=False,
+        verbose=verbose,
+    )
+    return out / f"{name}.so"
 
 
 def load(verbose: bool = False) -> bool:
@@ -155,36 +208,15 @@ def load(verbose: bool = False) -> bool:
         _attempted = True
         if os.environ.get("DETECTOR_NO_KERNELS", "") not in ("", "0"):
             return _fail("DETECTOR_NO_KERNELS is set", verbose)
-        src = kernels_dir()
-        sources = [str(src / "ops.cpp")] + sorted(glob.glob(str(src / "cpu" / "*.cpp")))
-        if not Path(sources[0]).exists() or len(sources) == 1:
-            return _fail(f"kernel sources not found under {src}", verbose)
-        with_cuda, _cuda_reason = _cuda_wanted()
-        if with_cuda:
-            sources += sorted(glob.glob(str(src / "cuda" / "*.cu")))
         if shutil.which(os.environ.get("CXX", "c++")) is None:
             return _fail("no C++ compiler found (set CXX)", verbose)
-        out = build_dir(with_cuda)
-        out.mkdir(parents=True, exist_ok=True)
-        print(f"detector.ops: building/loading sbnet kernels ({'CPU+CUDA' if with_cuda else 'CPU'}) in {out}",
-              flush=True)
+        with_cuda, _cuda_reason = _cuda_wanted()
         start = time.perf_counter()
         try:
-            from torch.utils.cpp_extension import load as cpp_load
-
-            cpp_load(
-                name="sbnet_kernels_cuda" if with_cuda else "sbnet_kernels_cpu",
-                sources=sources,
-                extra_include_paths=[str(src)],
-                extra_cflags=["-O3", "-fopenmp"],
-                extra_cuda_cflags=["-O3"],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(out),
-                with_cuda=with_cuda,
-                is_python_module=False,
-                verbose=verbose,
-            )
-        except Exception as exc:  # a missing compiler, a compile error, a load error: all mean fallback
+            build(with_cuda, verbose)
+        except Exception as exc:  # missing sources or compiler, a compile or load error: all mean fallback
+            if verbose:
+                print(exc, flush=True)
             lines = str(exc).strip().splitlines()
             return _fail(f"build failed: {type(exc).__name__}: {lines[-1] if lines else ''}", verbose)
         _register_python_side()

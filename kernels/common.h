@@ -1,0 +1,74 @@
+// Shared argument checks and geometry of the sbnet kernels (CPU and CUDA).
+//
+// A block grid along one axis is (size, stride, offset): block b covers pixels
+// offset + b * stride ... offset + b * stride + size - 1; pixels outside the map read as 0 (gather)
+// or are dropped (scatter). The public Python functions (detector/ops/functional.py) check
+// everything, including index ranges and uniqueness; the kernels re-check what memory safety needs.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define SBNET_HD __host__ __device__ __forceinline__
+#else
+#define SBNET_HD inline
+#endif
+
+namespace sbnet {
+
+struct Grid {
+  int64_t size_h, size_w;      // block size (rows, columns)
+  int64_t stride_h, stride_w;  // distance between neighbouring blocks
+  int64_t offset_h, offset_w;  // first pixel of block (0, 0)
+};
+
+inline Grid make_grid(const char* op, c10::IntArrayRef size, c10::IntArrayRef stride,
+                      c10::IntArrayRef offset) {
+  TORCH_CHECK(size.size() == 2 && stride.size() == 2 && offset.size() == 2, op,
+              ": block size, stride and offset must be pairs");
+  TORCH_CHECK(size[0] > 0 && size[1] > 0, op, ": block size must be positive, got ", size);
+  TORCH_CHECK(stride[0] > 0 && stride[1] > 0, op, ": block stride must be positive, got ", stride);
+  return Grid{size[0], size[1], stride[0], stride[1], offset[0], offset[1]};
+}
+
+inline void check_float(const char* op, const char* name, const at::Tensor& t) {
+  const auto s = t.scalar_type();
+  TORCH_CHECK(s == at::kFloat || s == at::kDouble || s == at::kHalf || s == at::kBFloat16, op, ": ",
+              name, " must be float16, bfloat16, float32 or float64, got ", s);
+}
+
+inline void check_indices(const char* op, const at::Tensor& indices, const at::Tensor& data) {
+  TORCH_CHECK(indices.dim() == 2 && indices.size(1) == 3, op,
+              ": indices must have shape [K, 3] (n, by, bx), got ", indices.sizes());
+  TORCH_CHECK(indices.scalar_type() == at::kInt, op, ": indices must be int32, got ",
+              indices.scalar_type());
+  TORCH_CHECK(indices.device() == data.device(), op, ": indices are on ", indices.device(),
+              " but the data is on ", data.device());
+}
+
+// Host-side check that every batch index n lies in [0, N) (what memory safety needs on the CPU).
+inline void check_batch_range_cpu(const char* op, const int32_t* idx, int64_t K, int64_t N) {
+  for (int64_t k = 0; k < K; ++k) {
+    TORCH_CHECK(idx[3 * k] >= 0 && idx[3 * k] < N, op, ": indices row ", k, " has n = ", idx[3 * k],
+                ", outside [0, ", N, ")");
+  }
+}
+
+// [lo, hi) = [start, start + len) clipped to [0, limit); empty when lo >= hi.
+SBNET_HD void clip(int64_t start, int64_t len, int64_t limit, int64_t& lo, int64_t& hi) {
+  lo = start > 0 ? start : 0;
+  hi = start + len < limit ? start + len : limit;
+}
+
+// Number of phases along one axis such that blocks of the same phase never overlap:
+// blocks b and b + P are P * stride >= size apart.
+inline int64_t num_phases(int64_t size, int64_t stride) { return (size + stride - 1) / stride; }
+
+SBNET_HD int64_t phase_of(int64_t b, int64_t phases) { return ((b % phases) + phases) % phases; }
+
+}  // namespace sbnet
