@@ -1,0 +1,198 @@
+"""Block geometry of a chain of convolutions run on sparse blocks (one gather, one scatter).
+
+A sparse unit runs a chain of convolutions ``conv_0 ... conv_{L-1}`` (kernel ``k_i``, stride ``s_i``,
+the dense twin's zero padding ``p_i``) on each gathered block with VALID padding. The chain's output
+tile is ``T`` pixels (rows and columns handled alike); walking back from the output (level ``L``) to
+the input (level ``0``) gives, for every *level* ``i`` (the tensor that enters ``conv_i``):
+
+    extent   e_L = T,  e_i = (e_{i+1} - 1) * s_i + k_i        block pixels at level i (halo included)
+    offset   P_L = 0,  P_i = P_{i+1} * s_i + p_i              how far the block starts before its tile
+    region   R_i = T * S / r_i                                 the tile's own pixels at level i
+             (r_i = s_0 ... s_{i-1} the level's stride, S = r_L the chain's stride)
+
+Block ``(by, bx)`` covers level-i rows ``by * R_i - P_i ... + e_i``; its *tile region* is level-i rows
+``by * R_i ... + R_i`` (block rows ``P_i ... P_i + R_i``). Tile regions partition a level's map, so
+statistics over them count every pixel once. The whole chain is one sparse-block convolution with
+``calc_block_params(H, W, bsize=e_0, ksize=e_0 - (T - 1) * S, stride=S, padding=P_0)``, whose output
+tile is ``T`` and whose block stride is ``T * S``.
+
+Level map sizes follow the dense twin: ``H_{i+1} = (H_i + 2 p_i - k_i) // s_i + 1``. Pixels of a
+block outside its level's map are the dense twin's zero padding; a unit must zero them after every
+layer whose output feeds a ``k > 1`` convolution (BN and activation of a padded zero are not zero).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from detector.ops.blocks import BlockParams, calc_block_params
+
+__all__ = ["ConvSpec", "Level", "ChainGeometry", "chain_geometry", "LevelMasks", "BlockSpan", "level_masks"]
+
+
+def _pair(value: int | tuple[int, int], name: str) -> tuple[int, int]:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}")
+    if isinstance(value, int):
+        return (value, value)
+    if (
+        isinstance(value, (tuple, list))
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
+        return (int(value[0]), int(value[1]))
+    raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ConvSpec:
+    """One square convolution of a chain: kernel, stride and the dense twin's zero padding."""
+
+    ksize: int
+    stride: int
+    padding: int
+
+
+@dataclass(frozen=True)
+class Level:
+    """One level of a chain in block space (see the module docstring); pairs are (rows, columns)."""
+
+    extent: tuple[int, int]  # e_i: block size at this level
+    offset: tuple[int, int]  # P_i: block start before the tile region
+    region: tuple[int, int]  # R_i: tile region size
+    map_size: tuple[int, int]  # H_i, W_i: the dense twin's map at this level
+
+
+@dataclass(frozen=True)
+class ChainGeometry:
+    """Geometry of a conv chain on an input map: the gather/scatter BlockParams and each level."""
+
+    block: BlockParams
+    levels: tuple[Level, ...]  # L + 1 levels: input, after conv_0, ..., output
+
+    @property
+    def tile(self) -> tuple[int, int]:
+        return self.block.obsize
+
+
+def chain_geometry(H: int, W: int, convs: tuple[ConvSpec, ...], tile: int | tuple[int, int]) -> ChainGeometry:
+    """Geometry of ``convs`` run on ``tile``-pixel output tiles of an ``H x W`` input map."""
+    th, tw = _pair(tile, "tile")
+    if th < 1 or tw < 1:
+        raise ValueError(f"tile (block size) must be >= 1, got {(th, tw)}")
+    if not convs:
+        raise ValueError("a chain needs at least one convolution")
+    # Walk back from the output: extents and offsets.
+    ext = [(th, tw)]
+    off = [(0, 0)]
+    for c in reversed(convs):
+        eh, ew = ext[0]
+        ph, pw = off[0]
+        ext.insert(0, ((eh - 1) * c.stride + c.ksize, (ew - 1) * c.stride + c.ksize))
+        off.insert(0, (ph * c.stride + c.padding, pw * c.stride + c.padding))
+    # Walk forward: level strides and dense map sizes.
+    strides = [1]
+    sizes = [(H, W)]
+    for c in convs:
+        strides.append(strides[-1] * c.stride)
+        h, w = sizes[-1]
+        sizes.append(
+            ((h + 2 * c.padding - c.ksize) // c.stride + 1, (w + 2 * c.padding - c.ksize) // c.stride + 1)
+        )
+        if sizes[-1][0] < 1 or sizes[-1][1] < 1:
+            raise ValueError(f"input map {H}x{W} is too small for this unit (a level's map would be empty)")
+    S = strides[-1]
+    levels = tuple(
+        Level(
+            extent=ext[i],
+            offset=off[i],
+            region=(th * S // strides[i], tw * S // strides[i]),
+            map_size=sizes[i],
+        )
+        for i in range(len(convs) + 1)
+    )
+    ksize = (ext[0][0] - (th - 1) * S, ext[0][1] - (tw - 1) * S)
+    block = calc_block_params(H, W, bsize=ext[0], ksize=ksize, stride=S, padding=off[0])
+    if block.out_size != sizes[-1]:  # cannot happen for k >= 2p + 1 convs; guards odd paddings
+        raise ValueError(
+            f"unit geometry mismatch: sparse output map {block.out_size} != dense output map {sizes[-1]} "
+            "(each convolution's padding must be at most (ksize - 1) // 2)"
+        )
+    return ChainGeometry(block=block, levels=levels)
+
+
+@dataclass(frozen=True)
+class LevelMasks:
+    """Per-block validity at one level for a set of active blocks.
+
+    ``inmap``: float ``[K, 1, e_h, e_w]`` with 1 where the block pixel lies in the level's map, or None
+    when every pixel of every block does. ``region``: float ``[K, 1, R_h, R_w]`` with 1 where the tile
+    region pixel lies in the map, or None when all do. ``count``: number of in-map tile-region pixels.
+    """
+
+    inmap: torch.Tensor | None
+    region: torch.Tensor | None
+    count: int
+
+
+def _axis_valid(start: torch.Tensor, length: int, limit: int) -> torch.Tensor:
+    pos = start[:, None] + torch.arange(length, device=start.device)
+    return (pos >= 0) & (pos < limit)
+
+
+@dataclass(frozen=True)
+class BlockSpan:
+    """The range of block rows/columns of a set of active blocks: ``(by_min, by_max, bx_min, bx_max)``."""
+
+    by_min: int
+    by_max: int
+    bx_min: int
+    bx_max: int
+
+    @staticmethod
+    def of(indices: torch.Tensor) -> BlockSpan:
+        """One host sync for the whole set (``indices`` must be non-empty)."""
+        lo = indices[:, 1:].amin(0)
+        hi = indices[:, 1:].amax(0)
+        a, b, c, d = torch.stack([lo[0], hi[0], lo[1], hi[1]]).tolist()
+        return BlockSpan(a, b, c, d)
+
+
+def level_masks(
+    indices: torch.Tensor, level: Level, dtype: torch.dtype, span: BlockSpan | None = None
+) -> LevelMasks:
+    """Validity masks of the blocks at ``indices`` ([K, 3] rows n, by, bx) at ``level``.
+
+    ``span`` (from :meth:`BlockSpan.of`) lets the common case - no block near the map border - skip
+    building any mask.
+    """
+    K = int(indices.shape[0])
+    if K == 0:
+        return LevelMasks(inmap=None, region=None, count=0)
+    if span is None:
+        span = BlockSpan.of(indices)
+    (eh, ew), (ph, pw), (rh, rw), (H, W) = level.extent, level.offset, level.region, level.map_size
+    block_inside = (
+        span.by_min * rh - ph >= 0
+        and span.by_max * rh - ph + eh <= H
+        and span.bx_min * rw - pw >= 0
+        and span.bx_max * rw - pw + ew <= W
+    )
+    region_inside = span.by_max * rh + rh <= H and span.bx_max * rw + rw <= W
+    by = indices[:, 1].long()
+    bx = indices[:, 2].long()
+    inmap = None
+    if not block_inside:  # the halo may stick out on any side
+        vy = _axis_valid(by * rh - ph, eh, H)
+        vx = _axis_valid(bx * rw - pw, ew, W)
+        inmap = (vy[:, None, :, None] & vx[:, None, None, :]).to(dtype)
+    if region_inside:
+        return LevelMasks(inmap=inmap, region=None, count=K * rh * rw)
+    ry = _axis_valid(by * rh, rh, H)  # only the bottom/right map border can clip a tile region
+    rx = _axis_valid(bx * rw, rw, W)
+    count = int((ry.sum(1) * rx.sum(1)).sum())
+    return LevelMasks(
+        inmap=inmap, region=(ry[:, None, :, None] & rx[:, None, None, :]).to(dtype), count=count
+    )

@@ -1,0 +1,109 @@
+"""Batch normalization on sparse blocks: statistics over tile regions, exact w.r.t. the dense twin.
+
+In a sparse unit every block carries a halo (pixels that belong to neighbouring tiles) and, at the
+map border, padding pixels. Training-mode statistics of a BN layer are therefore taken over the
+*tile regions* of the active blocks only, in-map pixels only (:mod:`detector.nn.geometry`): every
+active pixel is counted once, so with an all-ones mask they equal ``nn.BatchNorm2d``'s statistics of
+the dense map. The normalization itself (``z * scale + shift``) is applied to the whole block, halo
+included, with those statistics.
+
+Running statistics follow ``nn.BatchNorm2d`` exactly: ``running_mean <- (1 - f) running_mean + f mean``,
+``running_var <- (1 - f) running_var + f var * n / (n - 1)`` (unbiased), ``f = momentum`` or the
+cumulative ``1 / num_batches_tracked`` when ``momentum`` is None.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .geometry import Level, LevelMasks
+
+__all__ = [
+    "Moments",
+    "uses_batch_stats",
+    "region_moments",
+    "combine_moments",
+    "scale_shift",
+    "check_count",
+    "running_scale_shift",
+    "update_running_stats",
+]
+
+
+@dataclass(frozen=True)
+class Moments:
+    """Per-channel mean and biased variance of ``count`` pixels (differentiable tensors)."""
+
+    mean: torch.Tensor
+    var: torch.Tensor
+    count: int
+
+
+def uses_batch_stats(bn: nn.BatchNorm2d) -> bool:
+    """Whether ``bn`` normalizes with batch statistics (as ``nn.BatchNorm2d.forward`` decides)."""
+    return bn.training or not bn.track_running_stats
+
+
+def region_moments(z: torch.Tensor, level: Level, masks: LevelMasks) -> Moments:
+    """Moments of ``z [K, C, e_h, e_w]`` over the tile regions' in-map pixels (``masks.count`` of them)."""
+    (ph, pw), (rh, rw) = level.offset, level.region
+    zr = z[:, :, ph : ph + rh, pw : pw + rw]
+    if masks.region is None:
+        var, mean = torch.var_mean(zr, dim=(0, 2, 3), correction=0)
+        return Moments(mean=mean, var=var, count=masks.count)
+    w = masks.region
+    n = float(masks.count)
+    mean = (zr * w).sum(dim=(0, 2, 3)) / n
+    d = (zr - mean[None, :, None, None]) * w
+    var = (d * d).sum(dim=(0, 2, 3)) / n
+    return Moments(mean=mean, var=var, count=masks.count)
+
+
+def combine_moments(parts: list[Moments]) -> Moments:
+    """Moments of the union of disjoint pixel sets (Chan et al.'s pairwise formula, all at once)."""
+    parts = [p for p in parts if p.count > 0]
+    if len(parts) == 1:
+        return parts[0]
+    n = sum(p.count for p in parts)
+    mean = sum(p.mean * (p.count / n) for p in parts)
+    var = sum((p.var + (p.mean - mean) ** 2) * (p.count / n) for p in parts)
+    return Moments(mean=mean, var=var, count=n)
+
+
+def scale_shift(
+    bn: nn.BatchNorm2d, mean: torch.Tensor, var: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, shift)`` with ``bn(z) == z * scale + shift`` for statistics ``mean``, ``var``."""
+    inv = torch.rsqrt(var + bn.eps)
+    if bn.affine:
+        scale = bn.weight * inv
+        return scale, bn.bias - mean * scale
+    return inv, -mean * inv
+
+
+def running_scale_shift(bn: nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, shift)`` of ``bn`` in eval mode (running statistics)."""
+    return scale_shift(bn, bn.running_mean, bn.running_var)
+
+
+def check_count(bn_name: str, count: int) -> None:
+    """Training-mode BN needs more than one value per channel (as ``nn.BatchNorm2d`` demands)."""
+    if count <= 1:
+        raise ValueError(
+            f"{bn_name}: batch-norm in training mode needs more than 1 active pixel per channel, got {count}"
+        )
+
+
+@torch.no_grad()
+def update_running_stats(bn: nn.BatchNorm2d, m: Moments) -> None:
+    """Update ``bn``'s running statistics with batch moments ``m`` exactly as ``nn.BatchNorm2d`` does."""
+    if not (bn.training and bn.track_running_stats) or m.count == 0:
+        return
+    bn.num_batches_tracked.add_(1)
+    f = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+    unbiased = m.var.detach() * (m.count / max(m.count - 1, 1))
+    bn.running_mean.mul_(1 - f).add_(m.mean.detach(), alpha=f)
+    bn.running_var.mul_(1 - f).add_(unbiased, alpha=f)

@@ -1,0 +1,278 @@
+"""Sparse residual units and the SparseResNet BEV backbone (PIXOR layout, SBNet execution).
+
+Every unit is a :class:`~detector.nn.chain.SparseConvChain`: dense given no mask, sparse given one,
+with the same weights. See :mod:`detector.nn.chain` for the sparse semantics (one gather, VALID convs,
+one scatter; inactive tiles keep the input behind an identity shortcut, are zero otherwise).
+
+Backbone defaults follow PIXOR (Yang et al., 2018) - the network SBNet (Ren et al., 2018) sparsified
+for LiDAR BEV detection:
+
+- stem: two 3x3 conv-BN-ReLU with 32 channels at the input resolution (PIXOR's "block 1");
+- four stages of bottleneck units, ``(3, 6, 6, 3)`` units, output channels ``(96, 192, 256, 384)``
+  (bottleneck width = channels / 4: PIXOR's 24/48/64/96), each stage starting with a stride-2 unit with
+  a projection shortcut. PIXOR downsamples at every stage, so on the KITTI BEV grid (800 x 704) the
+  stage outputs are 400 x 352, 200 x 176, 100 x 88 and 50 x 44 - the four sizes SBNet benchmarks.
+  (``stage_strides`` is configurable, e.g. ``(1, 2, 2, 2)`` for a first stage at the stem's resolution.)
+
+The mask enters at the input resolution; each stride-2 stage start consumes the mask at its input
+resolution (an output tile is active if its receptive field touches the mask), then the mask is
+max-pooled by 2 (ceil mode) for the rest of the stage and the next stages. All stride-1 units of a
+stage share one ``reduce_mask``.
+
+``block_size`` (output tile per side) is one value for all stages or one per stage (stem first):
+an int, ``"dense"`` (that stage runs dense), or ``"auto"`` (a short timing sweep at first use picks the
+fastest of the tuner's candidates, dense included; cached per input shape and mask-density bucket; see
+:mod:`detector.nn.autotune`). A stage that runs dense gives the dense values on inactive tiles too;
+on active tiles every choice gives the same output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .autotune import DENSE, BlockSizeTuner, mask_density_bucket
+from .chain import ActiveBlocks, SparseConvChain
+
+__all__ = ["SparseResidualUnit", "SparseStage", "SparseResNet", "AUTO"]
+
+AUTO = "auto"
+
+
+class SparseResidualUnit(SparseConvChain):
+    """A ResNet unit: basic (3x3, 3x3) or bottleneck (1x1, 3x3, 1x1), post- or pre-activation.
+
+    The stride sits on the first 3x3 convolution (ResNet v1.5 for the bottleneck). The shortcut is the
+    identity when ``stride == 1`` and ``in_channels == out_channels``, else a 1x1 projection with
+    stride (``projection=True`` forces a projection). ``mid_channels`` (bottleneck width) defaults to
+    ``out_channels // 4``.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        *,
+        bottleneck: bool = True,
+        stride: int = 1,
+        preact: bool = False,
+        projection: bool | None = None,
+        mid_channels: int | None = None,
+        block_size: int | tuple[int, int] = 16,
+        tol: float = 0.5,
+        avgpool: bool = False,
+        memory_budget_mb: float = 256.0,
+        channels_last: bool = True,
+    ) -> None:
+        if stride not in (1, 2):
+            raise ValueError(f"SparseResidualUnit: stride must be 1 or 2, got {stride}")
+        if projection is None:
+            projection = stride != 1 or in_channels != out_channels
+        if bottleneck:
+            mid = mid_channels if mid_channels is not None else max(1, out_channels // 4)
+            channels, ksizes, strides = (mid, mid, out_channels), (1, 3, 1), (1, stride, 1)
+        else:
+            channels, ksizes, strides = (out_channels, out_channels), (3, 3), (stride, 1)
+        super().__init__(
+            in_channels,
+            channels,
+            ksizes,
+            strides,
+            preact=preact,
+            shortcut="projection" if projection else "identity",
+            block_size=block_size,
+            tol=tol,
+            avgpool=avgpool,
+            memory_budget_mb=memory_budget_mb,
+            channels_last=channels_last,
+            name=f"SparseResidualUnit({'bottleneck' if bottleneck else 'basic'}, "
+            f"{in_channels}->{out_channels}, "
+            f"stride {stride}{', preact' if preact else ''})",
+        )
+
+
+def _downsample_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Max-pool by 2 (ceil mode): the mask at a stride-2 unit's output resolution."""
+    return F.max_pool2d(mask, kernel_size=2, stride=2, ceil_mode=True)
+
+
+class SparseStage(nn.Module):
+    """A list of units (or one conv chain) that share a block size and a mask resolution after the first.
+
+    ``mode`` is an output tile size (sparse) or ``"dense"``; :meth:`forward` returns the output and the
+    mask at the output resolution.
+    """
+
+    def __init__(self, units: Sequence[SparseConvChain]) -> None:
+        super().__init__()
+        self.units = nn.ModuleList(units)
+
+    def set_block_size(self, block_size: int) -> None:
+        for u in self.units:
+            u.block_size = block_size
+
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None, dense: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        first = self.units[0]
+        if mask is None or dense:
+            for u in self.units:
+                x = u(x)
+        else:
+            x = first(x, mask=mask)
+        if mask is not None and first.stride == 2:
+            mask = _downsample_mask(mask)
+        if mask is not None and not dense and len(self.units) > 1:
+            blocks: ActiveBlocks = self.units[1].active_blocks(mask)
+            for u in self.units[1:]:
+                x = u(x, blocks=blocks)
+        return x, mask
+
+
+class SparseResNet(nn.Module):
+    """PIXOR-style residual BEV backbone, dense or sparse with the same weights (module docstring).
+
+    ``forward(x [N, in_channels, H, W], mask [N, 1, H, W] | None) -> list`` of the stages' feature maps
+    (``len(stage_units)`` tensors with ``out_channels[i]`` channels at stride ``strides[i]``).
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        *,
+        stem_channels: int = 32,
+        stage_units: Sequence[int] = (3, 6, 6, 3),
+        stage_channels: Sequence[int] = (96, 192, 256, 384),
+        stage_strides: Sequence[int] = (2, 2, 2, 2),
+        bottleneck: bool = True,
+        preact: bool = False,
+        block_size: int | str | Sequence[int | str] = 16,
+        tol: float = 0.5,
+        memory_budget_mb: float = 256.0,
+        channels_last: bool = True,
+        tuner: BlockSizeTuner | None = None,
+    ) -> None:
+        super().__init__()
+        n = len(stage_units)
+        if not (n == len(stage_channels) == len(stage_strides)) or n == 0:
+            raise ValueError(
+                "SparseResNet: stage_units, stage_channels and stage_strides must have the same length >= 1"
+            )
+        if any(u < 1 for u in stage_units):
+            raise ValueError(f"SparseResNet: every stage needs >= 1 unit, got {list(stage_units)}")
+        sizes = list(block_size) if isinstance(block_size, (list, tuple)) else [block_size] * (n + 1)
+        if len(sizes) != n + 1:
+            raise ValueError(
+                f"SparseResNet: block_size needs {n + 1} entries (stem, then each stage), got {len(sizes)}"
+            )
+        for b in sizes:
+            if not (b in (AUTO, DENSE) or (isinstance(b, int) and not isinstance(b, bool) and b >= 1)):
+                raise ValueError(
+                    f"SparseResNet: block_size entries must be ints >= 1, 'auto' or 'dense', got {b!r}"
+                )
+        self.block_sizes: list[int | str] = sizes
+        self.channels_last = channels_last
+        self.tol = float(tol)
+        self.tuner = tuner if tuner is not None else BlockSizeTuner()
+        common = dict(tol=tol, memory_budget_mb=memory_budget_mb, channels_last=channels_last)
+        first_tile = lambda b: b if isinstance(b, int) else 16  # noqa: E731  (auto/dense set at run time)
+        stem = SparseConvChain(
+            in_channels,
+            (stem_channels, stem_channels),
+            (3, 3),
+            (1, 1),
+            shortcut="none",
+            block_size=first_tile(sizes[0]),
+            name="SparseResNet.stem",
+            **common,
+        )
+        stages = [SparseStage([stem])]
+        cin = stem_channels
+        for s in range(n):
+            units = []
+            for u in range(stage_units[s]):
+                units.append(
+                    SparseResidualUnit(
+                        cin,
+                        stage_channels[s],
+                        bottleneck=bottleneck,
+                        stride=stage_strides[s] if u == 0 else 1,
+                        preact=preact,
+                        block_size=first_tile(sizes[s + 1]),
+                        **common,
+                    )
+                )
+                cin = stage_channels[s]
+            stages.append(SparseStage(units))
+        self.stages = nn.ModuleList(stages)  # stages[0] is the stem
+        self.out_channels = tuple(stage_channels)
+        strides, acc = [], 1
+        for s in stage_strides:
+            acc *= s
+            strides.append(acc)
+        self.strides = tuple(strides)
+
+    def _stage_mode(self, i: int, x: torch.Tensor, mask: torch.Tensor) -> int | str:
+        """Block size (int) or 'dense' for stage ``i`` (0 = stem) on this input; tunes when 'auto'."""
+        b = self.block_sizes[i]
+        if b != AUTO:
+            return b
+        stage: SparseStage = self.stages[i]
+        key = (
+            i,
+            tuple(x.shape),
+            x.dtype,
+            x.device.type,
+            mask_density_bucket(mask, self.tol, self.tuner.bucket),
+        )
+
+        def run_with(c: int | str):
+            def run() -> object:
+                if c != DENSE:
+                    stage.set_block_size(int(c))
+                return stage(x, mask, dense=c == DENSE)
+
+            return run
+
+        was_training = stage.training
+        stage.train(False)  # timing must not touch BN running statistics
+        try:
+            choice = self.tuner.choose(key, {c: run_with(c) for c in self.tuner.candidates})
+        finally:
+            stage.train(was_training)
+        return choice
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            raise ValueError(
+                f"SparseResNet: x must be a [N, C, H, W] tensor, got {getattr(x, 'shape', type(x))}"
+            )
+        if mask is not None:
+            if (
+                not isinstance(mask, torch.Tensor)
+                or mask.dim() != 4
+                or mask.shape[1] != 1
+                or (mask.shape[0] != x.shape[0] or mask.shape[2:] != x.shape[2:])
+            ):
+                raise ValueError(
+                    f"SparseResNet: mask must be [N, 1, H, W] matching x {tuple(x.shape)}, "
+                    f"got {tuple(getattr(mask, 'shape', ()))}"
+                )
+            mask = mask.to(x.dtype)
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        feats = []
+        for i, stage in enumerate(self.stages):
+            dense = mask is None
+            if mask is not None:
+                mode = self._stage_mode(i, x, mask)
+                dense = mode == DENSE
+                if not dense:
+                    stage.set_block_size(int(mode))
+            x, mask = stage(x, mask, dense=dense)
+            if i > 0:
+                feats.append(x)
+        return feats

@@ -1,0 +1,420 @@
+"""Sparse residual units vs their dense twins (detector.nn.resnet / detector.nn.chain).
+
+What is exactly comparable:
+- all-ones mask: the whole output, the running statistics and every gradient equal the dense unit's,
+  in eval and in training mode (tile regions partition every level's map, so masked BN statistics are
+  the dense statistics);
+- a random block set, eval mode: on active output tiles the output equals the dense output; and with
+  a loss restricted to active tiles, the weight and input gradients equal the dense twin's (the blocks
+  compute exactly the receptive field of their tiles, halo copies sum to the dense gradient);
+- a random block set, training mode: BN statistics are taken over the active tiles only, so the
+  reference is the dense network with BN statistics over the same pixels (``dense_oracle`` below,
+  written from the formulas); outputs on active tiles, running statistics and gradients (loss on
+  active tiles) equal it. Inactive tiles keep ``x`` (identity shortcut) or are zero.
+Everything in float64 so that the only differences are summation order.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from detector.nn.chain import ActiveBlocks
+from detector.nn.geometry import chain_geometry
+from detector.nn.resnet import SparseResidualUnit
+
+ATOL = 1e-10
+
+# (bottleneck, preact, stride, projection)
+VARIANTS = [
+    (b, p, s, proj)
+    for b in (False, True)
+    for p in (False, True)
+    for s, proj in ((1, False), (1, True), (2, True))
+]
+
+
+def vid(v) -> str:
+    b, p, s, proj = v
+    return f"{'bottleneck' if b else 'basic'}-{'preact' if p else 'postact'}-s{s}-{'proj' if proj else 'id'}"
+
+
+def make_unit(v, block_size=4, seed=0, **kw) -> SparseResidualUnit:
+    b, p, s, proj = v
+    torch.manual_seed(seed)
+    cout = 6 if not proj else (10 if s == 1 else 8)
+    u = SparseResidualUnit(
+        6,
+        cout,
+        bottleneck=b,
+        stride=s,
+        preact=p,
+        projection=proj,
+        mid_channels=4,
+        block_size=block_size,
+        **kw,
+    ).double()
+    with torch.no_grad():  # non-trivial BN parameters and running statistics
+        for bn in u._slots:
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.uniform_(-0.5, 0.5)
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 2.0)
+    return u
+
+
+def random_blocks(u, N, H, W, frac=0.5, seed=1) -> ActiveBlocks:
+    """About ``frac`` of the unit's grid blocks, at least one active and one inactive."""
+    geo = u.geometry(H, W)
+    g = torch.Generator().manual_seed(seed)
+    total = N * geo.block.num_blocks
+    on = torch.rand(total, generator=g) < frac
+    on[0], on[-1] = True, False
+    lin = on.nonzero().flatten()
+    n, rest = lin // geo.block.num_blocks, lin % geo.block.num_blocks
+    idx = torch.stack([n, rest // geo.block.bcount_w, rest % geo.block.bcount_w], 1).to(torch.int32)
+    return ActiveBlocks(indices=idx, block=geo.block)
+
+
+def tile_mask(
+    blocks: ActiveBlocks, N: int, level_region: tuple[int, int], size: tuple[int, int]
+) -> torch.Tensor:
+    """[N, 1, h, w] float mask of the active tiles' regions at a level (region size per tile)."""
+    bp = blocks.block
+    grid = torch.zeros(N, bp.bcount_h, bp.bcount_w, dtype=torch.float64)
+    idx = blocks.indices.long()
+    grid[idx[:, 0], idx[:, 1], idx[:, 2]] = 1.0
+    m = grid.repeat_interleave(level_region[0], 1).repeat_interleave(level_region[1], 2)
+    return m[:, None, : size[0], : size[1]]
+
+
+def level_pixel_masks(u, blocks: ActiveBlocks, N: int, H: int, W: int) -> list[torch.Tensor]:
+    """Per level of the unit's chain: the active tiles' regions (``R_i = T * S / r_i``) in map pixels."""
+    T = blocks.block.obsize_h
+    S = u.stride
+    sizes, r, out = [(H, W)], [1], []
+    for c in u.convs:
+        h, w = sizes[-1]
+        k, s, p = c.kernel_size[0], c.stride[0], c.padding[0]
+        sizes.append(((h + 2 * p - k) // s + 1, (w + 2 * p - k) // s + 1))
+        r.append(r[-1] * s)
+    for size, ri in zip(sizes, r, strict=True):
+        R = T * S // ri
+        out.append(tile_mask(blocks, N, (R, R), size))
+    return out
+
+
+def masked_bn(z, bn, pm, record):
+    """BatchNorm with training statistics over the pixels where ``pm`` is 1 (``pm`` None: all)."""
+    if not (bn.training or not bn.track_running_stats):
+        return F.batch_norm(z, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps)
+    if pm is None:
+        pm = torch.ones_like(z[:, :1])
+    n = pm.sum() * 1.0
+    mean = (z * pm).sum((0, 2, 3)) / n
+    var = (((z - mean[None, :, None, None]) * pm) ** 2).sum((0, 2, 3)) / n
+    record.append((bn, mean.detach(), var.detach(), int(n)))
+    return (z - mean[None, :, None, None]) / torch.sqrt(var[None, :, None, None] + bn.eps) * bn.weight[
+        None, :, None, None
+    ] + bn.bias[None, :, None, None]
+
+
+def dense_oracle(u, x, pms):
+    """The dense unit with BN statistics over ``pms[level]`` (None entries: all pixels).
+
+    Written from the unit's definition: convs with zero padding, BN, ReLU, shortcut. Returns the output
+    and the expected running statistics after the step.
+    """
+    rec = []
+    L = len(u.convs)
+    conv = lambda c, a: F.conv2d(a, c.weight, None, c.stride, c.padding)  # noqa: E731
+    if u.preact:
+        a0 = F.relu(masked_bn(x, u.bns[0], pms[0], rec))
+        a = a0
+        for i in range(L - 1):
+            a = F.relu(masked_bn(conv(u.convs[i], a), u.bns[i + 1], pms[i + 1], rec))
+        out = conv(u.convs[L - 1], a)
+        out = out + (x if u.shortcut == "identity" else conv(u.proj, a0))
+    else:
+        a = x
+        for i in range(L):
+            b = masked_bn(conv(u.convs[i], a), u.bns[i], pms[i + 1], rec)
+            if i < L - 1:
+                a = F.relu(b)
+        sc = x if u.shortcut == "identity" else masked_bn(conv(u.proj, x), u.proj_bn, pms[L], rec)
+        out = F.relu(b + sc)
+    expected = {}
+    for bn, mean, var, n in rec:
+        f = bn.momentum
+        expected[id(bn)] = (
+            (1 - f) * bn.running_mean + f * mean,
+            (1 - f) * bn.running_var + f * var * n / (n - 1),
+        )
+    return out, expected
+
+
+N, H, W = 2, 13, 11
+
+
+def every_block(u) -> ActiveBlocks:
+    geo = u.geometry(H, W)
+    bp = geo.block
+    n, by, bx = torch.meshgrid(
+        torch.arange(N), torch.arange(bp.bcount_h), torch.arange(bp.bcount_w), indexing="ij"
+    )
+    idx = torch.stack([n.flatten(), by.flatten(), bx.flatten()], 1).to(torch.int32)
+    return ActiveBlocks(indices=idx, block=bp)
+
+
+# ------------------------------------------------------------------------------------- geometry
+@pytest.mark.parametrize(
+    "convs, tile, bsize, ksize, stride, padding",
+    [
+        (((3, 1, 1), (3, 1, 1)), 4, 8, 5, 1, 2),  # basic, stride 1
+        (((3, 2, 1), (3, 1, 1)), 4, 13, 7, 2, 3),  # basic, stride 2
+        (((1, 1, 0), (3, 1, 1), (1, 1, 0)), 16, 18, 3, 1, 1),  # bottleneck, stride 1
+        (((1, 1, 0), (3, 2, 1), (1, 1, 0)), 8, 17, 3, 2, 1),  # bottleneck, stride 2
+    ],
+)
+def test_chain_geometry_known_answers(convs, tile, bsize, ksize, stride, padding):
+    from detector.nn.geometry import ConvSpec
+
+    geo = chain_geometry(64, 48, tuple(ConvSpec(*c) for c in convs), tile)
+    bp = geo.block
+    assert (bp.bsize_h, bp.ksize_h, bp.stride_h, bp.padding_h) == (bsize, ksize, stride, padding)
+    assert bp.bstride_h == tile * stride and bp.obsize_h == tile
+    assert geo.levels[0].extent == (bsize, bsize) and geo.levels[-1].extent == (tile, tile)
+    # dense output size of the chain
+    assert bp.out_size == geo.levels[-1].map_size
+
+
+@pytest.mark.parametrize("v", VARIANTS, ids=vid)
+def test_tile_regions_partition_every_level(v):
+    from detector.nn.geometry import level_masks
+
+    u = make_unit(v)
+    blocks = every_block(u)
+    geo = u.geometry(H, W)
+    for lv in geo.levels:
+        m = level_masks(blocks.indices, lv, torch.float64)
+        assert m.count == N * lv.map_size[0] * lv.map_size[1]
+
+
+# ------------------------------------------------------------------------- all-ones equals dense
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("v", VARIANTS, ids=vid)
+def test_all_ones_mask_equals_dense(v, train):
+    u = make_unit(v).train(train)
+    twin = copy.deepcopy(u)
+    torch.manual_seed(2)
+    x = torch.randn(N, 6, H, W, dtype=torch.float64, requires_grad=True)
+    xd = x.detach().clone().requires_grad_(True)
+    mask = torch.ones(N, 1, H, W, dtype=torch.float64)
+    ys = u(x, mask=mask)
+    yd = twin(xd)
+    assert ys.shape == yd.shape
+    torch.testing.assert_close(ys, yd, atol=ATOL, rtol=0)
+    g = torch.randn_like(yd)
+    ys.backward(g)
+    yd.backward(g)
+    torch.testing.assert_close(x.grad, xd.grad, atol=ATOL, rtol=0)
+    for (name, p), pd in zip(u.named_parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, pd.grad, atol=ATOL, rtol=0, msg=name)
+    for (name, b), bd in zip(u.named_buffers(), twin.buffers(), strict=True):
+        torch.testing.assert_close(b, bd, atol=ATOL, rtol=0, msg=name)
+    if train:
+        assert int(u.bns[0].num_batches_tracked) == 1
+
+
+# ------------------------------------------------------------------ random blocks, eval mode
+@pytest.mark.parametrize("v", VARIANTS, ids=vid)
+def test_random_blocks_eval_active_tiles_and_gradients(v):
+    u = make_unit(v).eval()
+    twin = copy.deepcopy(u)
+    blocks = random_blocks(u, N, H, W)
+    torch.manual_seed(3)
+    x = torch.randn(N, 6, H, W, dtype=torch.float64, requires_grad=True)
+    xd = x.detach().clone().requires_grad_(True)
+    ys = u(x, blocks=blocks)
+    yd = twin(xd)
+    Ho, Wo = yd.shape[2:]
+    T = blocks.block.obsize_h
+    act = tile_mask(blocks, N, (T, T), (Ho, Wo))
+    assert 0 < act.mean() < 1
+    torch.testing.assert_close(ys * act, yd * act, atol=ATOL, rtol=0)
+    inactive_expected = x.detach() if u.shortcut == "identity" else torch.zeros_like(yd)
+    torch.testing.assert_close(ys.detach() * (1 - act), inactive_expected * (1 - act), atol=0, rtol=0)
+    # a loss on active tiles only: identical gradients for every weight and for the input
+    g = torch.randn_like(yd) * act
+    ys.backward(g)
+    yd.backward(g)
+    torch.testing.assert_close(x.grad, xd.grad, atol=ATOL, rtol=0)
+    for (name, p), pd in zip(u.named_parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, pd.grad, atol=ATOL, rtol=0, msg=name)
+
+
+# ---------------------------------------------------------------- random blocks, training mode
+@pytest.mark.parametrize("v", VARIANTS, ids=vid)
+def test_random_blocks_train_matches_masked_bn_oracle(v):
+    u = make_unit(v).train()
+    ref = copy.deepcopy(u)
+    blocks = random_blocks(u, N, H, W, seed=5)
+    torch.manual_seed(4)
+    x = torch.randn(N, 6, H, W, dtype=torch.float64, requires_grad=True)
+    xd = x.detach().clone().requires_grad_(True)
+    pms = level_pixel_masks(u, blocks, N, H, W)
+    yo, expected = dense_oracle(ref, xd, pms)
+    ys = u(x, blocks=blocks)
+    act = pms[-1]
+    assert 0 < act.mean() < 1
+    torch.testing.assert_close(ys * act, yo * act, atol=ATOL, rtol=0)
+    g = torch.randn_like(yo) * act
+    ys.backward(g)
+    yo.backward(g)
+    torch.testing.assert_close(x.grad, xd.grad, atol=ATOL, rtol=0)
+    for (name, p), pd in zip(u.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, pd.grad, atol=ATOL, rtol=0, msg=name)
+    for bn, bn_ref in zip(u._slots, ref._slots, strict=True):
+        rm, rv = expected[id(bn_ref)]
+        torch.testing.assert_close(bn.running_mean, rm, atol=ATOL, rtol=0)
+        torch.testing.assert_close(bn.running_var, rv, atol=ATOL, rtol=0)
+        assert int(bn.num_batches_tracked) == 1
+
+
+def test_oracle_with_all_pixels_is_the_dense_unit():
+    """The oracle itself: with no pixel masks it is the ordinary (nn.BatchNorm2d) training-mode unit."""
+    for v in VARIANTS:
+        u = make_unit(v).train()
+        x = torch.randn(N, 6, H, W, dtype=torch.float64)
+        yo, _ = dense_oracle(copy.deepcopy(u), x, [None] * (len(u.convs) + 1))
+        torch.testing.assert_close(yo, u(x), atol=ATOL, rtol=0)
+
+
+def test_mask_path_uses_reduce_mask_semantics():
+    """A single active input pixel activates exactly the tiles whose receptive field contains it."""
+    v = (True, False, 1, False)
+    u = make_unit(v, block_size=4).eval()
+    mask = torch.zeros(1, 1, H, W, dtype=torch.float64)
+    mask[0, 0, 4, 4] = 1.0  # bottleneck stride 1: halo 1, so tiles rows 0-3 and 4-7 both see row 4
+    blocks = u.active_blocks(mask)
+    assert blocks.indices.tolist() == [[0, 0, 0], [0, 0, 1], [0, 1, 0], [0, 1, 1]]
+    x = torch.randn(1, 6, H, W, dtype=torch.float64)
+    torch.testing.assert_close(u(x, mask=mask), u(x, blocks=blocks), atol=0, rtol=0)
+
+
+# -------------------------------------------------------------------------------- chunking
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("v", [VARIANTS[0], VARIANTS[5], VARIANTS[8], VARIANTS[10]], ids=vid)
+def test_chunked_equals_unchunked(v, train):
+    u = make_unit(v).train(train)
+    small = copy.deepcopy(u)
+    geo = u.geometry(H, W)
+    small.memory_budget_mb = 3.5 * small.block_bytes(geo, 8) / 2**20  # three blocks per chunk
+    blocks = random_blocks(u, N, H, W, frac=0.8, seed=7)
+    assert small.chunk_blocks(geo, 8) == 3 and blocks.count > 3  # at least two chunks
+    x = torch.randn(N, 6, H, W, dtype=torch.float64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    y1 = u(x, blocks=blocks)
+    y2 = small(x2, blocks=blocks)
+    torch.testing.assert_close(y1, y2, atol=ATOL, rtol=0)
+    g = torch.randn_like(y1)
+    y1.backward(g)
+    y2.backward(g)
+    torch.testing.assert_close(x.grad, x2.grad, atol=ATOL, rtol=0)
+    for p, p2 in zip(u.parameters(), small.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, p2.grad, atol=ATOL, rtol=0)
+    for b, b2 in zip(u.buffers(), small.buffers(), strict=True):
+        torch.testing.assert_close(b, b2, atol=ATOL, rtol=0)
+    with torch.no_grad():  # the inference path (in-place scatter per chunk)
+        torch.testing.assert_close(u(x, blocks=blocks), small(x, blocks=blocks), atol=ATOL, rtol=0)
+
+
+# -------------------------------------------------------------------------------- K = 0
+@pytest.mark.parametrize("v", VARIANTS, ids=vid)
+def test_empty_mask(v):
+    u = make_unit(v).train()
+    before = copy.deepcopy(u.state_dict())
+    x = torch.randn(N, 6, H, W, dtype=torch.float64, requires_grad=True)
+    y = u(x, mask=torch.zeros(N, 1, H, W, dtype=torch.float64))
+    if u.shortcut == "identity":
+        torch.testing.assert_close(y, x, atol=0, rtol=0)
+    else:
+        bp = u.geometry(H, W).block
+        assert torch.count_nonzero(y) == 0 and y.shape == (N, u.out_channels, bp.out_h, bp.out_w)
+    for k, t in u.state_dict().items():  # no statistics from zero pixels
+        assert torch.equal(t, before[k]), k
+    if y.requires_grad:
+        y.sum().backward()
+
+
+# -------------------------------------------------------------------------------- gradcheck
+@pytest.mark.parametrize("v", [(True, False, 2, True), (False, True, 1, False)], ids=vid)
+def test_gradcheck_whole_unit(v):
+    torch.manual_seed(0)
+    b, p, s, proj = v
+    u = (
+        SparseResidualUnit(
+            3,
+            3 if not proj else 4,
+            bottleneck=b,
+            stride=s,
+            preact=p,
+            projection=proj,
+            mid_channels=2,
+            block_size=2,
+        )
+        .double()
+        .train()
+    )
+    h, w = 7, 6
+    blocks = random_blocks(u, 1, h, w, frac=0.6, seed=3)
+    x = torch.randn(1, 3, h, w, dtype=torch.float64, requires_grad=True)
+    names = [n for n, _ in u.named_parameters()]
+
+    def f(x_, *ps):
+        return torch.func.functional_call(u, dict(zip(names, ps, strict=True)), (x_,), {"blocks": blocks})
+
+    params = [q.detach().clone().requires_grad_(True) for q in u.parameters()]
+    assert torch.autograd.gradcheck(f, (x, *params), eps=1e-6, atol=1e-6, fast_mode=True)
+
+
+# -------------------------------------------------------------------------------- determinism
+def test_deterministic_bit_identical():
+    v = (True, False, 2, True)
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        results = []
+        for _ in range(2):
+            u = make_unit(v, seed=11).float().train()
+            torch.manual_seed(12)
+            x = torch.randn(N, 6, H, W, requires_grad=True)
+            blocks = random_blocks(u, N, H, W, seed=13)
+            y = u(x, blocks=blocks)
+            y.backward(torch.ones_like(y))
+            results.append([y.detach(), x.grad] + [p.grad for p in u.parameters()] + list(u.buffers()))
+        for a, b in zip(*results, strict=True):
+            assert torch.equal(a, b)
+    finally:
+        torch.use_deterministic_algorithms(prev)
+
+
+# -------------------------------------------------------------------------------- bad input
+def test_bad_inputs_raise_clear_errors():
+    u = make_unit((True, False, 1, False))
+    x = torch.randn(N, 6, H, W, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"SparseResidualUnit.*x must be \[N, 6, H, W\]"):
+        u(torch.randn(N, 5, H, W, dtype=torch.float64))
+    with pytest.raises(ValueError, match="mask must be"):
+        u(x, mask=torch.ones(N, 1, H + 1, W))
+    with pytest.raises(ValueError, match="another geometry"):
+        u(x, blocks=every_block(make_unit((False, False, 1, False))))
+    with pytest.raises(ValueError, match="identity shortcut needs stride 1"):
+        SparseResidualUnit(6, 8, stride=1, projection=False)
+    with pytest.raises(ValueError, match="stride must be 1 or 2"):
+        SparseResidualUnit(6, 6, stride=3)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        u([1, 2, 3])
