@@ -128,13 +128,13 @@ class BevGrid:
         Not clamped: positions outside the grid give rows/cols < 0 or >= H/W (see :meth:`in_grid`)."""
         x = torch.as_tensor(x)
         y = torch.as_tensor(y)
-        cols = _axis_index(x, *self.x_range, self.resolution, self.W)
-        rows = _axis_index(y, *self.y_range, self.resolution, self.H)
+        cols = axis_index(x, *self.x_range, self.resolution, self.W)
+        rows = axis_index(y, *self.y_range, self.resolution, self.H)
         return rows, cols
 
     def z_to_slice(self, z: torch.Tensor) -> torch.Tensor:
         """Height-slice index (int64, not clamped) of heights ``z``."""
-        return _axis_index(torch.as_tensor(z), *self.z_range, self.z_resolution, self.n_slices)
+        return axis_index(torch.as_tensor(z), *self.z_range, self.z_resolution, self.n_slices)
 
     def in_grid(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         return (rows >= 0) & (rows < self.H) & (cols >= 0) & (cols < self.W)
@@ -150,7 +150,7 @@ class BevGrid:
         return x.to(dtype), y.to(dtype)
 
 
-def _axis_index(v: torch.Tensor, lo: float, hi: float, res: float, n: int) -> torch.Tensor:
+def axis_index(v: torch.Tensor, lo: float, hi: float, res: float, n: int) -> torch.Tensor:
     """Index k with b_k <= v < b_{k+1} (b_k = lo + k*res in float64, b_n = hi); below lo: < 0, at or
     above hi: >= n. NaN maps to -1."""
     v = v.to(torch.float64)

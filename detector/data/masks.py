@@ -1,0 +1,378 @@
+"""Computation masks on the BEV grid: where the sparse backbone computes.
+
+A mask provider is called once per batch: ``provider(batch, grid) -> MaskResult`` with ``mask``
+[B, 1, H, W] float32 in {0, 1} on the batch's device (None for :class:`NoMask`: dense) and its
+``sparsity`` = the fraction of cells that are 0 (so 0.0 is dense, 0.9 means 10 % of the cells compute).
+
+Providers (the ``predicted`` one is a network: detector/models/mask_net.py):
+- :class:`RoadMapMask`: the frame's drivable-area raster (our simulator's ``road_map``) resampled to the
+  BEV grid and dilated by ``dilation_m`` so objects at the kerb are inside. Real KITTI has no road maps:
+  a frame without one raises a clear error.
+- :class:`GroundMask`: no map needed. Per frame, a RANSAC plane (open3d ``segment_plane``, seeded) fitted
+  per range ring to the points near the expected ground height; the drivable-area estimate is the set
+  of BEV cells holding ground points or points of things standing on the ground (extended away from
+  the sensor: their bodies lie behind their visible surfaces), morphologically closed (fills the gaps
+  between scan rings) and dilated (covers objects standing on the ground). Rule: :class:`GroundMask`.
+- :class:`NoMask`: dense.
+
+:func:`boxes_mask` builds the "ground-truth" mask from labeled boxes (the predicted mask's target).
+
+Morphology is on the grid's cells with a disk of radius ``r`` metres: dilation turns on every cell whose
+centre lies within ``r`` of an "on" cell's centre (offsets (dr, dc) with dr² + dc² <= (r / res)²);
+erosion is its dual (cells outside the grid count as "on"), closing = dilation then erosion.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from detector.data.structures import Batch, Boxes3D
+from detector.data.voxelize import BevGrid, axis_index
+
+
+@dataclass
+class MaskResult:
+    """A batch's computation mask. ``mask`` [B, 1, H, W] float32 in {0, 1} or None (dense).
+
+    ``sparsity``: fraction of 0 cells over the batch (0.0 when dense); ``frame_sparsity``: per frame.
+    ``n_fallback``: frames where the provider could not estimate a mask and used all-ones (GroundMask).
+    """
+
+    mask: torch.Tensor | None
+    sparsity: float
+    frame_sparsity: list[float]
+    n_fallback: int = 0
+
+    @classmethod
+    def from_mask(cls, mask: torch.Tensor, n_fallback: int = 0) -> MaskResult:
+        density = mask.flatten(1).float().mean(dim=1).cpu()
+        return cls(mask, 1.0 - float(density.mean()), [1.0 - float(d) for d in density], n_fallback)
+
+
+# --------------------------------------------------------------------------------------------------
+# Morphology (torch, any device): a disk as a union of horizontal runs, each run a prefix-sum window.
+# --------------------------------------------------------------------------------------------------
+def _check_radius(radius_m: float, name: str) -> float:
+    r = float(radius_m)
+    if not (math.isfinite(r) and r >= 0):
+        raise ValueError(f"{name} must be a finite radius >= 0 metres, got {radius_m!r}")
+    return r
+
+
+def _dilate_rows(mask: torch.Tensor, half: int) -> torch.Tensor:
+    """[B, H, W] bool: on where some cell within ``half`` columns (same row) is on."""
+    if half == 0:
+        return mask
+    B, H, W = mask.shape
+    # One extra leading zero column so that the window sum is cs[c + 2 half + 1] - cs[c].
+    padded = torch.nn.functional.pad(mask.to(torch.int32), (half + 1, half))
+    cs = padded.cumsum(dim=2)
+    return (cs[..., 2 * half + 1:] - cs[..., : W]) > 0
+
+
+def dilate(mask: torch.Tensor, radius_cells: float) -> torch.Tensor:
+    """Binary dilation of ``mask`` [B, H, W] bool by a disk of radius ``radius_cells`` (cell units)."""
+    if mask.dim() != 3 or mask.dtype != torch.bool:
+        raise ValueError(f"dilate expects a [B, H, W] bool tensor, got {tuple(mask.shape)} {mask.dtype}")
+    r = int(math.floor(radius_cells + 1e-9))
+    if r <= 0:
+        return mask.clone()
+    H = mask.shape[1]
+    out = mask.clone()
+    runs: dict[int, torch.Tensor] = {}
+    for dy in range(0, min(r, H - 1) + 1):
+        half = int(math.floor(math.sqrt(max(radius_cells**2 - dy * dy, 0.0)) + 1e-9))
+        if half not in runs:
+            runs[half] = _dilate_rows(mask, half)
+        run = runs[half]
+        if dy == 0:
+            out |= run
+        else:
+            out[:, dy:] |= run[:, : H - dy]
+            out[:, : H - dy] |= run[:, dy:]
+    return out
+
+
+def erode(mask: torch.Tensor, radius_cells: float) -> torch.Tensor:
+    """Binary erosion (dual of :func:`dilate`; cells outside the grid count as on)."""
+    return ~dilate(~mask, radius_cells)
+
+
+def close(mask: torch.Tensor, radius_cells: float) -> torch.Tensor:
+    """Binary closing: dilation then erosion with the same disk (fills gaps narrower than the disk)."""
+    return erode(dilate(mask, radius_cells), radius_cells)
+
+
+# --------------------------------------------------------------------------------------------------
+# Providers
+# --------------------------------------------------------------------------------------------------
+class NoMask:
+    """Dense computation: ``mask`` is None, sparsity 0."""
+
+    def __call__(self, batch: Batch, grid: BevGrid) -> MaskResult:
+        return MaskResult(None, 0.0, [0.0] * batch.size)
+
+
+def resample_road_map(road, grid: BevGrid, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[H, W] bool: the road raster sampled (nearest) at each BEV cell centre; outside the raster = False.
+
+    ``road`` is a :class:`detector.data.kitti.RoadMap` (row r, column c cover y/x in
+    [min + k·res, min + (k+1)·res)); any resolution and extent.
+    """
+    raster = torch.as_tensor(np.ascontiguousarray(road.raster, dtype=bool), device=device)
+    rows_r, cols_r = raster.shape
+    res = float(road.resolution)
+    if not (math.isfinite(res) and res > 0):
+        raise ValueError(f"road map resolution must be positive, got {road.resolution!r}")
+    if rows_r == 0 or cols_r == 0:
+        return torch.zeros(grid.H, grid.W, dtype=torch.bool, device=device)
+    f64 = torch.float64
+    cx, _ = grid.cell_center(torch.zeros(grid.W, dtype=torch.int64), torch.arange(grid.W), dtype=f64)
+    _, cy = grid.cell_center(torch.arange(grid.H), torch.zeros(grid.H, dtype=torch.int64), dtype=f64)
+    x0, y0 = float(road.x_min), float(road.y_min)
+    c = axis_index(cx, x0, x0 + cols_r * res, res, cols_r).to(device)  # [W]
+    r = axis_index(cy, y0, y0 + rows_r * res, res, rows_r).to(device)  # [H]
+    ok = (r[:, None] >= 0) & (r[:, None] < rows_r) & (c[None, :] >= 0) & (c[None, :] < cols_r)
+    vals = raster[r.clamp(0, rows_r - 1)[:, None], c.clamp(0, cols_r - 1)[None, :]]
+    return vals & ok
+
+
+class RoadMapMask:
+    """The frame's road map resampled to the grid and dilated by ``dilation_m`` metres."""
+
+    def __init__(self, dilation_m: float = 2.0):
+        self.dilation_m = _check_radius(dilation_m, "RoadMapMask.dilation_m")
+
+    def __call__(self, batch: Batch, grid: BevGrid) -> MaskResult:
+        device = batch.points.device
+        maps = []
+        for f in batch.frames:
+            if f.road_map is None:
+                raise ValueError(
+                    f"mask=road_map: frame {f.frame_id} has no road map (real KITTI has none; our simulator "
+                    "writes road_map/): use mask=predicted, mask=ground or mask=none"
+                )
+            maps.append(resample_road_map(f.road_map, grid, device))
+        if not maps:
+            return MaskResult.from_mask(torch.zeros(0, 1, grid.H, grid.W, device=device))
+        m = dilate(torch.stack(maps), self.dilation_m / grid.resolution)
+        return MaskResult.from_mask(m[:, None].float())
+
+
+class GroundMask:
+    """Drivable-area estimate from RANSAC ground planes, per frame; no map needed.
+
+    Rule, per frame, on the points inside the grid's x/y range:
+    (1) the ground is fitted piecewise in rings of horizontal range split at ``zone_edges_m`` (roads
+        climb and dip: one plane per ring follows them). Ring 0's candidates are the points with
+        |z - ground_z| <= search_band; ring k's are those within ``search_band`` of ring k-1's plane.
+        open3d ``segment_plane`` (seeded with ``seed``; at most ``max_fit_points`` candidates, drawn with a
+        seeded Generator) fits each ring. A ring with fewer than ``min_points`` candidates, or whose
+        plane tilts more than ``max_tilt_deg`` from horizontal, reuses ring k-1's plane; if ring 0 fails
+        the frame falls back (all-ones mask, a warning, counted in ``MaskResult.n_fallback``).
+    (2) ground cells = cells holding a point within ``distance_threshold`` of its ring's plane;
+        object cells = cells holding a point standing on the ground (higher than ``distance_threshold``
+        and at most ``max_object_height`` above the plane), each extended away from the sensor by
+        ``object_depth_m`` along its ray (an object's body lies behind its visible surface; far away, the
+        ground rings are metres apart and an object's footprint holds no ground point);
+    (3) mask = dilate(close(ground cells | object cells, closing_m), dilation_m).
+    The result depends only on the frame's points (not on its position in the batch).
+    """
+
+    def __init__(
+        self,
+        dilation_m: float = 2.0,
+        closing_m: float = 1.0,
+        ground_z: float = -1.73,
+        search_band: float = 0.6,
+        distance_threshold: float = 0.15,
+        zone_edges_m: Sequence[float] = (20.0, 40.0),
+        num_iterations: int = 100,
+        max_fit_points: int = 3000,
+        min_points: int = 100,
+        max_tilt_deg: float = 15.0,
+        max_object_height: float = 2.5,
+        object_depth_m: float = 3.0,
+        seed: int = 0,
+    ):
+        self.dilation_m = _check_radius(dilation_m, "GroundMask.dilation_m")
+        self.closing_m = _check_radius(closing_m, "GroundMask.closing_m")
+        for name, v in (("search_band", search_band), ("distance_threshold", distance_threshold)):
+            if not (math.isfinite(float(v)) and float(v) > 0):
+                raise ValueError(f"GroundMask.{name} must be positive, got {v!r}")
+        if int(min_points) < 3 or int(max_fit_points) < int(min_points) or int(num_iterations) < 1:
+            raise ValueError(
+                "GroundMask needs min_points >= 3, max_fit_points >= min_points and num_iterations >= 1, got "
+                f"{min_points}, {max_fit_points}, {num_iterations}"
+            )
+        edges = [float(e) for e in zone_edges_m]
+        if any(not (math.isfinite(e) and e > 0) for e in edges) or edges != sorted(set(edges)):
+            raise ValueError(f"GroundMask.zone_edges_m must be increasing positive ranges, got {edges!r}")
+        self.zone_edges = np.asarray(edges, dtype=np.float64)
+        self.ground_z = float(ground_z)
+        self.search_band = float(search_band)
+        self.distance_threshold = float(distance_threshold)
+        self.num_iterations = int(num_iterations)
+        self.max_fit_points = int(max_fit_points)
+        self.min_points = int(min_points)
+        self.min_normal_z = math.cos(math.radians(float(max_tilt_deg)))
+        self.max_object_height = float(max_object_height)
+        self.object_depth_m = _check_radius(object_depth_m, "GroundMask.object_depth_m")
+        self.seed = int(seed)
+
+    def _ransac(self, cand: np.ndarray) -> np.ndarray | None:
+        """Plane (a, b, c, d), unit normal with c > 0, fitted to ``cand``; None if not acceptable."""
+        import open3d as o3d
+
+        if len(cand) < self.min_points:
+            return None
+        if len(cand) > self.max_fit_points:
+            rng = np.random.default_rng(self.seed)
+            cand = cand[rng.choice(len(cand), self.max_fit_points, replace=False)]
+        o3d.utility.random.seed(self.seed)
+        pc = o3d.geometry.PointCloud(o3d.utility.Vector3dVector(np.ascontiguousarray(cand, dtype=np.float64)))
+        model, inliers = pc.segment_plane(self.distance_threshold, 3, self.num_iterations)
+        model = np.asarray(model, dtype=np.float64).reshape(4)
+        norm = np.linalg.norm(model[:3])
+        if len(inliers) < self.min_points or not np.isfinite(model).all() or norm == 0:
+            return None
+        model = model / norm
+        if model[2] < 0:
+            model = -model
+        return model if model[2] >= self.min_normal_z else None
+
+    def fit_planes(self, xyz: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """(planes [Z, 4], zone [N] of each point) for ``xyz`` [N, 3]; None when ring 0 has no plane."""
+        rng_xy = np.hypot(xyz[:, 0], xyz[:, 1])
+        zone = np.searchsorted(self.zone_edges, rng_xy, side="right")
+        planes = []
+        for k in range(len(self.zone_edges) + 1):
+            pts = xyz[zone == k]
+            if k == 0:
+                cand = pts[np.abs(pts[:, 2] - self.ground_z) <= self.search_band]
+            else:
+                cand = pts[np.abs(pts @ planes[-1][:3] + planes[-1][3]) <= self.search_band]
+            plane = self._ransac(cand)
+            if plane is None:
+                if k == 0:
+                    return None
+                plane = planes[-1]
+            planes.append(plane)
+        return np.stack(planes), zone
+
+    def frame_ground_cells(self, xyz: np.ndarray, grid: BevGrid) -> torch.Tensor | None:
+        """[H, W] bool: cells holding ground points (before morphology); None → fallback."""
+        rows, cols = grid.world_to_cell(torch.from_numpy(xyz[:, 0]), torch.from_numpy(xyz[:, 1]))
+        inside = grid.in_grid(rows, cols).numpy()
+        xyz, rows, cols = xyz[inside], rows[inside], cols[inside]
+        fit = self.fit_planes(xyz)
+        if fit is None:
+            return None
+        planes, zone = fit
+        p = planes[zone]
+        height = (xyz * p[:, :3]).sum(axis=1) + p[:, 3]  # signed height above the ring's plane
+        ground = torch.from_numpy(np.abs(height) <= self.distance_threshold)
+        flat = rows * grid.W + cols
+        cells = torch.zeros(grid.H * grid.W, dtype=torch.bool)
+        cells[flat[ground]] = True
+        if self.max_object_height > 0:
+            standing = (height > self.distance_threshold) & (height <= self.max_object_height)
+            obst = torch.unique(flat[torch.from_numpy(standing)])
+            cells[obst] = True
+            if self.object_depth_m > 0 and len(obst):
+                # The body of an object lies behind its visible surface: extend away from the sensor.
+                cx, cy = grid.cell_center(obst // grid.W, obst % grid.W, dtype=torch.float64)
+                rng_xy = torch.hypot(cx, cy).clamp(min=1e-6)
+                step = torch.arange(1, int(self.object_depth_m / grid.resolution) + 1, dtype=torch.float64)
+                step = step * grid.resolution
+                ex = cx[:, None] + (cx / rng_xy)[:, None] * step[None, :]
+                ey = cy[:, None] + (cy / rng_xy)[:, None] * step[None, :]
+                er, ec = grid.world_to_cell(ex.reshape(-1), ey.reshape(-1))
+                ok = grid.in_grid(er, ec)
+                cells[(er * grid.W + ec)[ok]] = True
+        return cells.view(grid.H, grid.W)
+
+    def __call__(self, batch: Batch, grid: BevGrid) -> MaskResult:
+        device = batch.points.device
+        pts = batch.points.detach().to("cpu", torch.float64).numpy()
+        bidx = pts[:, 0].astype(np.int64)
+        cells, fallback = [], []
+        for i in range(batch.size):
+            c = self.frame_ground_cells(np.ascontiguousarray(pts[bidx == i, 1:4]), grid)
+            fallback.append(c is None)
+            cells.append(torch.zeros(grid.H, grid.W, dtype=torch.bool) if c is None else c)
+        if not cells:
+            return MaskResult.from_mask(torch.zeros(0, 1, grid.H, grid.W, device=device))
+        m = torch.stack(cells).to(device)
+        m = dilate(close(m, self.closing_m / grid.resolution), self.dilation_m / grid.resolution)
+        fb = torch.tensor(fallback, device=device)
+        m[fb] = True
+        n_fb = int(sum(fallback))
+        if n_fb:
+            ids = [f.frame_id for f, b in zip(batch.frames, fallback, strict=True) if b]
+            warnings.warn(
+                f"GroundMask: no ground plane found in {n_fb} frame(s) {ids[:5]}: using an all-ones mask",
+                stacklevel=2,
+            )
+        return MaskResult.from_mask(m[:, None].float(), n_fallback=n_fb)
+
+
+# --------------------------------------------------------------------------------------------------
+# Ground-truth mask from boxes
+# --------------------------------------------------------------------------------------------------
+def boxes_mask(
+    boxes_per_frame: Sequence[Boxes3D],
+    grid: BevGrid,
+    dilation_m: float,
+    downsample: int = 1,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """[B, 1, H/d, W/d] float32 in {0, 1}: cells of the ``downsample``-times coarser grid covered by the
+    BEV boxes enlarged by ``dilation_m`` on every side.
+
+    A cell is on iff its centre lies inside (or on the border of) an enlarged box's rotated BEV
+    rectangle, or it holds a box's centre (so an object smaller than a coarse cell is never lost).
+    ``device``: where the mask goes (default: the first frame's boxes' device).
+    """
+    d = _check_radius(dilation_m, "boxes_mask dilation_m")
+    g = grid.downsampled(downsample)
+    B = len(boxes_per_frame)
+    if device is None:
+        device = boxes_per_frame[0].tensor.device if B else "cpu"
+    out = torch.zeros(B * g.H * g.W, dtype=torch.float32, device=device)
+    counts = [len(b) for b in boxes_per_frame]
+    if sum(counts) == 0:
+        return out.view(B, 1, g.H, g.W)
+    t = torch.cat([b.tensor.detach().to(device, torch.float64) for b in boxes_per_frame])  # [K, 7]
+    fidx = torch.repeat_interleave(torch.arange(B, device=device), torch.tensor(counts, device=device))
+    x, y, yaw = t[:, 0], t[:, 1], t[:, 6]
+    hx, hy = t[:, 3] / 2 + d, t[:, 4] / 2 + d
+    cos, sin = torch.cos(yaw), torch.sin(yaw)
+    ax = cos.abs() * hx + sin.abs() * hy  # half-size of the axis-aligned bounding box
+    ay = sin.abs() * hx + cos.abs() * hy
+    r0, c0 = g.world_to_cell(x - ax, y - ay)
+    r1, c1 = g.world_to_cell(x + ax, y + ay)
+    nh = int((r1 - r0).max()) + 1
+    nw = int((c1 - c0).max()) + 1
+    dr = torch.arange(nh, device=device)
+    dc = torch.arange(nw, device=device)
+    rows = (r0[:, None, None] + dr[None, :, None]).expand(-1, nh, nw)  # [K, nh, nw]
+    cols = (c0[:, None, None] + dc[None, None, :]).expand(-1, nh, nw)
+    px, py = g.cell_center(rows, cols, dtype=torch.float64)
+    dx, dy = px - x[:, None, None], py - y[:, None, None]
+    lx = dx * cos[:, None, None] + dy * sin[:, None, None]
+    ly = -dx * sin[:, None, None] + dy * cos[:, None, None]
+    on = (lx.abs() <= hx[:, None, None]) & (ly.abs() <= hy[:, None, None]) & g.in_grid(rows, cols)
+    on &= (rows <= r1[:, None, None]) & (cols <= c1[:, None, None])
+    flat = (fidx[:, None, None] * g.H + rows) * g.W + cols
+    out[flat[on]] = 1.0
+    rc, cc = g.world_to_cell(x, y)  # the centre cell of every box
+    ok = g.in_grid(rc, cc)
+    out[((fidx * g.H + rc) * g.W + cc)[ok]] = 1.0
+    return out.view(B, 1, g.H, g.W)
