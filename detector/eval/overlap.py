@@ -1,0 +1,205 @@
+"""KITTI records as flat float64 arrays, and the protocol's overlap between detection and GT records.
+
+``Records`` concatenates the records of many frames (``frame`` gives each record's frame index), in
+frame order and file order within a frame, which is the order the protocol's matching depends on.
+
+Exact decimal values: :class:`~detector.data.kitti.KittiLabels` stores float32, but the devkit reads the
+files' decimal text as float64, and its level tests (2D height ≥ 40 px, truncation ≤ 0.15) and 2D
+overlaps are decided on those float64 values. For the 2D boxes and the truncation we recover them: each
+float32 value becomes the shortest decimal (≤ 6 places) that rounds to it, which is the file's value
+whenever the file had up to 6 decimals and 7 significant digits. Other fields are used as float32 → float64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Literal
+
+import numpy as np
+
+from detector.data.kitti import KittiLabels
+from detector.eval.iou import bev_intersection_paired, box2d_overlap_paired, camera_bev, rect_area
+
+
+def decimal_float64(a: np.ndarray) -> np.ndarray:
+    """float32 values → float64 of the shortest decimal (0..6 places) that rounds to the same float32;
+    float64 input is returned as is."""
+    a = np.asarray(a)
+    if a.dtype != np.float32:
+        return a.astype(np.float64)
+    flat = a.reshape(-1)
+    d = flat.astype(np.float64)
+    out = d.copy()
+    todo = np.arange(d.size)
+    for places in (2, 0, 1, 3, 4, 5, 6):  # 2 first: KITTI files write 2 decimals
+        r = np.round(d[todo], places)
+        ok = r.astype(np.float32) == flat[todo]
+        out[todo[ok]] = r[ok]
+        todo = todo[~ok]
+        if todo.size == 0:
+            break
+    return out.reshape(a.shape)
+
+
+@dataclass
+class Records:
+    """N KITTI records of one or many frames as float64 arrays (fields as in ``KittiLabels``).
+
+    ``frame`` [N] frame index of each record; ``offsets`` [F + 1] the records of frame f are
+    ``offsets[f]:offsets[f + 1]``. ``score`` is None for ground truth.
+    """
+
+    name: np.ndarray
+    truncated: np.ndarray
+    occluded: np.ndarray
+    alpha: np.ndarray
+    bbox: np.ndarray
+    dimensions: np.ndarray
+    location: np.ndarray
+    rotation_y: np.ndarray
+    score: np.ndarray | None
+    frame: np.ndarray
+    offsets: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.name)
+
+    @property
+    def num_frames(self) -> int:
+        return len(self.offsets) - 1
+
+    @classmethod
+    def from_labels(cls, frames: Sequence[KittiLabels], with_score: bool) -> Records:
+        """Concatenate frames (their arrays must have KittiLabels' shapes: [n], [n, 4], [n, 3])."""
+        counts = np.array([len(f) for f in frames], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(counts)])
+
+        def cat(field: str, width: int | None, dtype=np.float64, exact: bool = False) -> np.ndarray:
+            if not frames:
+                return np.zeros((0,) if width is None else (0, width), dtype)
+            a = np.concatenate([getattr(f, field) for f in frames])
+            return decimal_float64(a) if exact else a.astype(dtype)
+
+        name = np.concatenate([f.name for f in frames]).astype(str) if frames else np.zeros(0, str)
+        return cls(
+            name=name,
+            truncated=cat("truncated", None, exact=True),
+            occluded=cat("occluded", None, np.int64),
+            alpha=cat("alpha", None),
+            bbox=cat("bbox", 4, exact=True),
+            dimensions=cat("dimensions", 3),
+            location=cat("location", 3),
+            rotation_y=cat("rotation_y", None),
+            score=cat("score", None) if with_score else None,
+            frame=np.repeat(np.arange(len(frames)), counts),
+            offsets=offsets,
+        )
+
+    def select(self, idx: np.ndarray) -> Records:
+        """A subset as its own Records (frame indices kept; offsets recomputed)."""
+        frame = self.frame[idx]
+        counts = np.bincount(frame, minlength=self.num_frames)
+        return Records(
+            self.name[idx],
+            self.truncated[idx],
+            self.occluded[idx],
+            self.alpha[idx],
+            self.bbox[idx],
+            self.dimensions[idx],
+            self.location[idx],
+            self.rotation_y[idx],
+            None if self.score is None else self.score[idx],
+            frame,
+            np.concatenate([[0], np.cumsum(counts)]),
+        )
+
+    def height(self) -> np.ndarray:
+        """2D box height, bottom − top (pixels)."""
+        return self.bbox[:, 3] - self.bbox[:, 1]
+
+    def distance(self) -> np.ndarray:
+        """BEV distance of the location from the camera, sqrt(x² + z²) (m)."""
+        return np.hypot(self.location[:, 0], self.location[:, 2])
+
+    @cached_property
+    def bev(self) -> np.ndarray:
+        """[N, 5] rectangles (x, z, l, w, −ry) in the camera x–z plane (see :func:`camera_bev`); sizes are
+        taken as absolute values, as the devkit's polygons do for DontCare's placeholder size −1."""
+        r = camera_bev(self.location, self.dimensions, self.rotation_y)
+        r[:, 2:4] = np.abs(r[:, 2:4])
+        return r
+
+    @cached_property
+    def bev_area(self) -> np.ndarray:
+        """[N] area of :attr:`bev` (shoelace, see :func:`rect_area`)."""
+        return rect_area(self.bev)
+
+    @cached_property
+    def bottom(self) -> np.ndarray:
+        """[N] camera y of the box bottom (y points down)."""
+        return self.location[:, 1]
+
+    @cached_property
+    def top(self) -> np.ndarray:
+        """[N] camera y of the box top, bottom − h."""
+        return self.location[:, 1] - self.dimensions[:, 0]
+
+
+Metric = Literal["2d", "bev", "3d"]
+
+
+def bev_intersection_records(det: Records, di: np.ndarray, gt: Records, gi: np.ndarray) -> np.ndarray:
+    """[P] exact BEV intersection areas of detection records ``di`` with GT records ``gi``."""
+    return bev_intersection_paired(det.bev[di], gt.bev[gi])
+
+
+def overlap_from_intersection(
+    metric: Metric,
+    det: Records,
+    di: np.ndarray,
+    gt: Records,
+    gi: np.ndarray,
+    inter: np.ndarray,
+    criterion: Literal["iou", "a"] = "iou",
+) -> np.ndarray:
+    """BEV or 3D overlap of the pairs from their BEV intersection areas ``inter`` (see
+    :func:`overlap_pairs`)."""
+    if metric == "bev":
+        size_d = det.bev_area[di]
+        size_g = gt.bev_area[gi] if criterion == "iou" else None
+    elif metric == "3d":
+        dy = np.minimum(det.bottom[di], gt.bottom[gi]) - np.maximum(det.top[di], gt.top[gi])
+        inter = inter * np.maximum(dy, 0.0)
+        # Volumes from the same bottom/top values as the overlap: identical boxes give exactly 1.
+        size_d = det.bev_area[di] * (det.bottom[di] - det.top[di])
+        size_g = gt.bev_area[gi] * (gt.bottom[gi] - gt.top[gi]) if criterion == "iou" else None
+    else:
+        raise ValueError(f"metric must be 'bev' or '3d' here, got {metric!r}")
+    denom = size_d + size_g - inter if criterion == "iou" else size_d
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(denom > 0, inter / np.where(denom > 0, denom, 1.0), 0.0)
+
+
+def overlap_pairs(
+    metric: Metric,
+    det: Records,
+    di: np.ndarray,
+    gt: Records,
+    gi: np.ndarray,
+    criterion: Literal["iou", "a"] = "iou",
+) -> np.ndarray:
+    """Overlap of detection records ``di`` with GT records ``gi`` (paired index arrays) → [P] float64.
+
+    "2d": image boxes; "bev": rotated rectangles in the camera x–z plane; "3d": those × the vertical
+    extent [y − h, y] (camera y points down; y is the bottom). ``criterion="iou"``: intersection over
+    union; ``"a"``: intersection over the detection's area (volume), the DontCare test. A pair whose
+    denominator is 0 (degenerate boxes) has overlap 0.
+    """
+    if metric == "2d":
+        return box2d_overlap_paired(det.bbox[di], gt.bbox[gi], criterion)
+    if metric not in ("bev", "3d"):
+        raise ValueError(f"metric must be '2d', 'bev' or '3d', got {metric!r}")
+    inter = bev_intersection_records(det, di, gt, gi)
+    return overlap_from_intersection(metric, det, di, gt, gi, inter, criterion)
