@@ -1,0 +1,175 @@
+"""KITTI-format folders: reading labels and results for evaluation, the CLI, and bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from detector.data.kitti import KittiFormatError, boxes_to_labels, read_label, write_imageset, write_label
+from detector.data.structures import Boxes3D
+from detector.eval.kitti_files import load_eval_inputs, write_results
+from detector.eval.kitti_metric import evaluate
+from detector.eval.synthetic import synthetic_set
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import kitti_eval  # noqa: E402
+
+
+@pytest.fixture
+def folders(tmp_path):
+    """12 frames of labels, results for all of them; returns (gt_dir, res_dir, gt, dt, ids)."""
+    gt, dt = synthetic_set(12, dets_per_frame=20, seed=7)
+    ids = [f"{i:06d}" for i in range(12)]
+    gt_dir, res_dir = tmp_path / "label_2", tmp_path / "results"
+    gt_dir.mkdir()
+    for i, g in zip(ids, gt, strict=True):
+        write_label(gt_dir / f"{i}.txt", g)
+    write_results(res_dir, ids, dt)
+    return gt_dir, res_dir, gt, dt, ids
+
+
+def test_folders_evaluate_like_memory(folders):
+    gt_dir, res_dir, gt, dt, ids = folders
+    inp = load_eval_inputs(gt_dir, res_dir)
+    assert inp.frame_ids == ids and inp.missing_results == [] and inp.unused_results == []
+    a, b = evaluate(inp.gt, inp.dt), evaluate(gt, dt)
+    np.testing.assert_array_equal(a.curves, b.curves)
+    np.testing.assert_array_equal(a.distance_curves, b.distance_curves)
+
+
+def test_cli_prints_the_table_and_writes_json(folders, tmp_path, capsys):
+    gt_dir, res_dir, gt, dt, _ = folders
+    out = tmp_path / "out" / "ap.json"
+    assert kitti_eval.main([f"gt={gt_dir}", f"results={res_dir}", f"out={out}"]) == 0
+    text = capsys.readouterr().out
+    assert "Evaluated 12 frames." in text and "Car AP_R40@0.70, 0.70, 0.70:" in text and "bbox AP:" in text
+    js = json.loads(out.read_text())
+    expected = evaluate(gt, dt).to_json()
+    assert js.keys() == expected.keys()
+    for c in ("Car", "Pedestrian", "Cyclist"):
+        assert set(js[c]) == {"2d", "bev", "3d", "aos"}
+        for m in js[c]:
+            for p in ("R40", "R11"):
+                for lv in ("easy", "moderate", "hard"):
+                    assert js[c][m][p][lv] == pytest.approx(expected[c][m][p][lv], abs=1e-12)
+    assert kitti_eval.main([f"gt={gt_dir}", f"results={res_dir}", "classes=Car", "distance=false"]) == 0
+    text = capsys.readouterr().out
+    assert "Pedestrian" not in text and "distance" not in text
+
+
+def test_split_and_missing_result_files(folders, tmp_path, capsys):
+    gt_dir, res_dir, gt, dt, ids = folders
+    (res_dir / f"{ids[3]}.txt").unlink()
+    split = tmp_path / "val.txt"
+    write_imageset(split, ids[:6])
+    inp = load_eval_inputs(gt_dir, res_dir, split)
+    assert inp.frame_ids == ids[:6]
+    assert inp.missing_results == [ids[3]] and len(inp.dt[3]) == 0 and inp.dt[3].score is not None
+    assert inp.unused_results == ids[6:]
+    assert kitti_eval.main([f"gt={gt_dir}", f"results={res_dir}", f"split={split}"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: 1 of 6 frames have no result file" in err and ids[3] in err
+    assert "note: 6 result files are not in the split" in err
+
+
+def _cli_error(args, capsys) -> str:
+    assert kitti_eval.main(args) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+    return err
+
+
+def test_bad_result_files_are_clear_errors(folders, capsys):
+    gt_dir, res_dir, *_ = folders
+    args = [f"gt={gt_dir}", f"results={res_dir}"]
+    target = res_dir / "000002.txt"
+    good = target.read_text().splitlines()
+
+    def put(line_fn):
+        lines = list(good)
+        lines[1] = line_fn(lines[1])
+        target.write_text("\n".join(lines) + "\n")
+
+    put(lambda s: " ".join(s.split()[:15]))  # score missing on one line
+    err = _cli_error(args, capsys)
+    assert "000002.txt:2" in err and "15 fields where earlier lines have 16" in err
+    target.write_text("".join(" ".join(s.split()[:15]) + "\n" for s in good))  # a label file, not results
+    err = _cli_error(args, capsys)
+    assert "000002.txt" in err and "need a 16th field (score)" in err
+    put(lambda s: s + " 0.5")  # 17 fields
+    err = _cli_error(args, capsys)
+    assert "000002.txt:2" in err and "got 17" in err
+    put(lambda s: " ".join(s.split()[:15] + ["nan"]))  # NaN score
+    err = _cli_error(args, capsys)
+    assert "000002.txt:2" in err and "NaN" in err
+    put(lambda s: " ".join(s.split()[:8] + ["-1.5"] + s.split()[9:]))  # negative height
+    err = _cli_error(args, capsys)
+    assert "000002.txt:2" in err and "negative box size" in err
+    target.write_text("\n".join(good) + "\n")
+    assert kitti_eval.main(args) == 0
+    capsys.readouterr()
+
+
+def test_result_without_label_and_label_missing_for_split(folders, tmp_path, capsys):
+    gt_dir, res_dir, *_ = folders
+    shutil.copy(res_dir / "000001.txt", res_dir / "000099.txt")
+    err = _cli_error([f"gt={gt_dir}", f"results={res_dir}"], capsys)
+    assert "000099.txt" in err and "1 result file(s) have no label file" in err
+    (res_dir / "000099.txt").unlink()
+    split = tmp_path / "val.txt"
+    write_imageset(split, ["000001", "000050"])
+    with pytest.raises(KittiFormatError, match=r"000050.txt: label file not found"):
+        load_eval_inputs(gt_dir, res_dir, split)
+    assert "not found" in _cli_error([f"gt={gt_dir / 'nope'}", f"results={res_dir}"], capsys)
+
+
+def test_cli_usage_errors(capsys):
+    assert kitti_eval.main(["results=x"]) == 2
+    assert "gt= is required" in capsys.readouterr().err
+    assert kitti_eval.main(["gt=a", "results=b", "classes=Car,Truck"]) == 2
+    assert "choose from" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        kitti_eval.main(["gt=a", "bogus=1"])
+
+
+def test_result_writer_from_lidar_boxes(calib, tmp_path):
+    boxes = Boxes3D(
+        np.array([[10.0, 1.0, -0.9, 4.0, 1.7, 1.5, 0.3], [20.0, -3.0, -0.8, 0.8, 0.6, 1.7, -1.0]])
+    )
+    det = boxes_to_labels(boxes, np.array(["Car", "Pedestrian"]), calib, scores=np.array([0.9, 0.4]))
+    write_results(tmp_path, ["000007"], [det])
+    back = read_label(tmp_path / "000007.txt", with_score=True)
+    assert back.name.tolist() == ["Car", "Pedestrian"]
+    np.testing.assert_allclose(back.score, [0.9, 0.4])
+    # The written boxes evaluate as perfect detections of themselves (IoU 1 in every metric).
+    gt = read_label(tmp_path / "000007.txt", with_score=None)
+    gt.score = None
+    r = evaluate([gt], [back], distance_ranges=None)
+    assert r.curves[0, :, 2, 0].tolist() == [1.0, 1.0, 1.0, 1.0]  # Car, hard, first point
+    with pytest.raises(ValueError, match="result files need scores"):
+        write_results(tmp_path, ["000008"], [gt])
+
+
+def test_real_kitti_labels_as_their_own_detections(kitti_real, tmp_path):
+    """Real label files (DontCare lines with -1/-10/-1000 placeholders, Misc, Truck): the labels scored
+    as detections give precision 1 at each of the n counted GT's thresholds (the 41-point rule)."""
+    gt_dir = kitti_real / "training" / "label_2"
+    res_dir = tmp_path / "res"
+    res_dir.mkdir()
+    for p in sorted(gt_dir.glob("*.txt")):
+        lab = read_label(p, with_score=False)
+        lab.score = np.ones(len(lab), np.float32)
+        write_label(res_dir / p.name, lab)
+    inp = load_eval_inputs(gt_dir, res_dir)
+    r = evaluate(inp.gt, inp.dt)
+    assert r.num_gt.sum() > 0
+    for c, cls in enumerate(r.classes):
+        for li, lv in enumerate(r.levels):
+            n = int(r.num_gt[c, li])
+            for m in ("2d", "bev", "3d", "aos"):
+                assert r.ap(cls, m, lv) == pytest.approx(max(min(n, 41) - 1, 0) / 40 * 100, abs=1e-9)
