@@ -1,0 +1,353 @@
+"""Compiled sbnet kernels (CPU) against the pure-PyTorch reference; autograd, opcheck, determinism,
+and the public functions' errors on bad input.
+
+The extension is built on first use (about a minute on a fresh checkout) by the session fixture.
+"""
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import detector.ops as ops
+from detector.ops import _library, calc_block_params, reference
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+GEOMETRIES = [
+    # H, W, bsize, ksize, stride, padding
+    (13, 11, (6, 5), 3, 1, 1),
+    (7, 9, 16, 3, 1, 1),  # blocks larger than the map
+    (20, 14, (7, 5), 3, 2, 1),
+    (15, 12, 9, 5, 1, 2),
+    (11, 10, 4, 1, 1, 0),
+    (12, 13, (6, 8), (3, 5), 1, (0, 2)),
+    (40, 36, 10, 5, 1, 2),  # many blocks: several OpenMP chunks
+]
+
+
+@pytest.fixture(scope="session")
+def kernels():
+    """The compiled ops (builds them on first use); skips only where there is no compiler."""
+    if not _library.load(verbose=False):
+        reason = _library.unavailable_reason("cpu")
+        if "no C++ compiler" in reason or "DETECTOR_NO_KERNELS" in reason:
+            pytest.skip(f"sbnet kernels not available: {reason}")
+        pytest.fail(f"sbnet kernels failed to build: {reason}")
+    return torch.ops.sbnet
+
+
+def _idx(N, bp, frac, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.rand((N, bp.bcount_h, bp.bcount_w), generator=gen) < frac).nonzero().to(torch.int32)
+
+
+def _rand(shape, dtype, seed, layout="contiguous"):
+    """Random tensor of ``shape``; 'permuted' (channels-last strides) or 'sliced' gives a
+    non-contiguous tensor with the same values semantics."""
+    gen = torch.Generator().manual_seed(seed)
+    if layout == "permuted":
+        N, C, H, W = shape
+        return torch.randn((N, H, W, C), generator=gen).to(dtype).permute(0, 3, 1, 2)
+    if layout == "sliced":
+        N, C, H, W = shape
+        return torch.randn((N, 2 * C, H, W + 3), generator=gen).to(dtype)[:, ::2, :, 1 : W + 1]
+    return torch.randn(shape, generator=gen).to(dtype)
+
+
+# ------------------------------------------------------------------------- kernels == reference
+@pytest.mark.parametrize("geom", GEOMETRIES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["contiguous", "permuted", "sliced"])
+def test_gather_scatter_match_reference(kernels, geom, dtype, layout):
+    """Copies and single adds: bit-identical to the reference in every dtype."""
+    H, W, bsize, ksize, stride, padding = geom
+    bp = calc_block_params(H, W, bsize, ksize, stride, padding)
+    seed = GEOMETRIES.index(geom)
+    N, C = 3, 5
+    x = _rand((N, C, H, W), dtype, seed, layout)
+    idx = _idx(N, bp, 0.5, seed)
+    assert layout == "contiguous" or not x.is_contiguous()
+    got = ops.sparse_gather(x, idx, bp)
+    assert torch.equal(got, reference.sparse_gather(x, idx, bp))
+    assert got.dtype == dtype and got.shape == (idx.shape[0], C, bp.bsize_h, bp.bsize_w)
+
+    blocks = _rand((idx.shape[0], C, bp.obsize_h, bp.obsize_w), dtype, seed + 1, layout)
+    base = _rand((N, C, bp.out_h, bp.out_w), dtype, seed + 2, layout)
+    for add in (True, False):
+        expected = reference.sparse_scatter(blocks, idx, base, bp, add)
+        assert torch.equal(ops.sparse_scatter(blocks, idx, base, bp, add), expected)
+        inplace = base.clone()  # keeps the layout: exercises the non-contiguous in-place path
+        assert ops.sparse_scatter_(blocks, idx, inplace, bp, add) is inplace
+        assert torch.equal(inplace, expected)
+
+
+@pytest.mark.parametrize("geom", GEOMETRIES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("avgpool", [False, True])
+def test_reduce_mask_matches_reference(kernels, geom, dtype, avgpool):
+    H, W, bsize, ksize, stride, padding = geom
+    bp = calc_block_params(H, W, bsize, ksize, stride, padding)
+    gen = torch.Generator().manual_seed(GEOMETRIES.index(geom))
+    # eighths: exact in every dtype, and their means are exact in float64
+    mask = ((torch.rand((3, 1, H, W), generator=gen) ** 4) * 8).floor().div(8).to(dtype)
+    for tol in (0.0, 0.1, 0.25, 0.5):
+        got = ops.reduce_mask(mask, bp, tol, avgpool)
+        assert got.dtype == torch.int32
+        assert torch.equal(got, reference.reduce_mask(mask, bp, tol, avgpool))
+
+
+def test_reduce_mask_bool_and_noncontiguous(kernels):
+    bp = calc_block_params(30, 26, bsize=8, ksize=3)
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.rand((2, 1, 26, 30), generator=gen).transpose(2, 3) > 0.95
+    assert not mask.is_contiguous()
+    assert torch.equal(ops.reduce_mask(mask, bp, 0.5), reference.reduce_mask(mask.float(), bp, 0.5))
+
+
+@pytest.mark.parametrize("geom", GEOMETRIES)
+def test_gather_backward_matches_reference(kernels, geom):
+    """Overlapping halos add up: integer-valued gradients make every summation order exact."""
+    H, W, bsize, ksize, stride, padding = geom
+    bp = calc_block_params(H, W, bsize, ksize, stride, padding)
+    seed = GEOMETRIES.index(geom)
+    idx = _idx(2, bp, 0.7, seed)
+    gen = torch.Generator().manual_seed(seed)
+    grad = torch.randint(-8, 9, (idx.shape[0], 3, bp.bsize_h, bp.bsize_w), generator=gen).float()
+    x = torch.zeros((2, 3, H, W), requires_grad=True)
+    (ops.sparse_gather(x, idx, bp) * grad).sum().backward()
+    x_ref = torch.zeros((2, 3, H, W), requires_grad=True)
+    (reference.sparse_gather(x_ref, idx, bp) * grad).sum().backward()
+    assert torch.equal(x.grad, x_ref.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gather_backward_low_precision(kernels, dtype):
+    bp = calc_block_params(20, 18, bsize=8, ksize=5, stride=1, padding=2)  # halo 4: up to 4 overlaps
+    idx = _idx(2, bp, 0.8, 3)
+    grad = torch.randn((idx.shape[0], 4, 8, 8), generator=torch.Generator().manual_seed(3))
+    x = torch.zeros((2, 4, 20, 18), dtype=dtype, requires_grad=True)
+    (ops.sparse_gather(x, idx, bp) * grad.to(dtype)).sum().backward()
+    x64 = torch.zeros((2, 4, 20, 18), dtype=torch.float64, requires_grad=True)
+    (reference.sparse_gather(x64, idx, bp) * grad.to(dtype).double()).sum().backward()
+    assert x.grad.dtype == dtype
+    tol = 1e-2 if dtype == torch.float16 else 5e-2
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=tol, atol=tol)
+
+
+def test_scatter_backward_matches_reference(kernels):
+    bp = calc_block_params(17, 15, bsize=(7, 5), ksize=3, stride=2, padding=1)
+    idx = _idx(2, bp, 0.6, 5)
+    for add in (True, False):
+        grads = []
+        for fn in (ops.sparse_scatter, reference.sparse_scatter):
+            blocks = _rand((idx.shape[0], 3, bp.obsize_h, bp.obsize_w), torch.float32, 6).requires_grad_()
+            base = _rand((2, 3, bp.out_h, bp.out_w), torch.float32, 7).requires_grad_()
+            g = _rand((2, 3, bp.out_h, bp.out_w), torch.float32, 8)
+            (fn(blocks, idx, base, bp, add) * g).sum().backward()
+            grads.append((blocks.grad, base.grad))
+        assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+def test_k_zero_everywhere(kernels):
+    bp = calc_block_params(9, 9, bsize=5, ksize=3)
+    idx = ops.reduce_mask(torch.zeros(2, 1, 9, 9), bp, 0.5)
+    assert idx.shape == (0, 3) and idx.dtype == torch.int32
+    x = torch.randn(2, 3, 9, 9, requires_grad=True)
+    blocks = ops.sparse_gather(x, idx, bp)
+    assert blocks.shape == (0, 3, 5, 5)
+    base = torch.randn(2, 3, 9, 9, requires_grad=True)
+    y = ops.sparse_scatter(blocks[:, :, 1:-1, 1:-1], idx, base, bp, add=True)
+    assert torch.equal(y, base)
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x)) and torch.equal(base.grad, torch.ones_like(base))
+    with torch.no_grad():
+        assert torch.equal(ops.sparse_scatter_(blocks[:, :, 1:-1, 1:-1], idx, base.clone(), bp), base)
+
+
+# ------------------------------------------------------------------------------ autograd checks
+@pytest.mark.parametrize("geom", [(7, 6, (5, 4), 3, 1, 1), (9, 7, 7, 3, 2, 1), (6, 7, 6, 5, 1, 2)])
+def test_gradcheck_float64(kernels, geom):
+    H, W, bsize, ksize, stride, padding = geom
+    bp = calc_block_params(H, W, bsize, ksize, stride, padding)
+    idx = _idx(2, bp, 0.6, 11)
+    x = _rand((2, 1, H, W), torch.float64, 12).requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: ops.sparse_gather(t, idx, bp), (x,))
+    assert torch.autograd.gradgradcheck(lambda t: ops.sparse_gather(t, idx, bp), (x,), fast_mode=True)
+    blocks = _rand((idx.shape[0], 1, bp.obsize_h, bp.obsize_w), torch.float64, 13).requires_grad_()
+    base = _rand((2, 1, bp.out_h, bp.out_w), torch.float64, 14).requires_grad_()
+    for add in (True, False):
+        def scatter(b, s, add=add):
+            return ops.sparse_scatter(b, idx, s, bp, add)
+
+        assert torch.autograd.gradcheck(scatter, (blocks, base))
+        assert torch.autograd.gradgradcheck(scatter, (blocks, base), fast_mode=True)
+
+
+def _opcheck_cases(kernels):
+    bp = calc_block_params(13, 11, bsize=(6, 5), ksize=3, stride=1, padding=1)
+    idx = _idx(2, bp, 0.5, 21)
+    x = _rand((2, 3, 13, 11), torch.float32, 22).requires_grad_()
+    mask = (_rand((2, 1, 13, 11), torch.float32, 23) > 1.0).float()
+    blocks = _rand((idx.shape[0], 3, bp.obsize_h, bp.obsize_w), torch.float32, 24).requires_grad_()
+    base = _rand((2, 3, 13, 11), torch.float32, 25).requires_grad_()
+    grad_blocks = _rand((idx.shape[0], 3, bp.bsize_h, bp.bsize_w), torch.float32, 26).requires_grad_()
+    g, s, o = list(bp.bsize), list(bp.bstride), list(bp.boffset)
+    cases = [
+        (kernels.sparse_gather, (x, idx, g, s, o)),
+        (kernels.sparse_gather_backward, (grad_blocks, idx, [2, 3, 13, 11], s, o)),
+        (kernels.sparse_scatter, (blocks, idx, base, list(bp.obsize), [0, 0], True)),
+        (kernels.sparse_scatter, (blocks, idx, base, list(bp.obsize), [0, 0], False)),
+        (kernels.sparse_scatter_, (blocks.detach(), idx, base.detach().clone(), list(bp.obsize), [0, 0],
+                                   True)),
+    ]
+    return cases + [(kernels.reduce_mask, (mask, g, s, o, list(bp.bcount), 0.5, False))]
+
+
+def test_opcheck(kernels):
+    """Schema, autograd registration and fake kernels of every op (reduce_mask's fake allocates an
+    unbacked, data-dependent K)."""
+    for op, args in _opcheck_cases(kernels):
+        torch.library.opcheck(op, args,
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+@pytest.mark.slow
+def test_opcheck_aot_dispatch(kernels):
+    """AOT-autograd tracing through the fake kernels and autograd formulas (first use compiles: slow)."""
+    for op, args in _opcheck_cases(kernels)[:3]:
+        torch.library.opcheck(op, args, test_utils=("test_aot_dispatch_dynamic",))
+
+
+# -------------------------------------------------------------------------------- determinism
+def test_deterministic_bit_identical(kernels):
+    bp = calc_block_params(64, 56, bsize=12, ksize=5, stride=1, padding=2)
+    mask = (_rand((2, 1, 64, 56), torch.float32, 31) > 1.2).float()
+    x = _rand((2, 16, 64, 56), torch.float32, 32)
+    g = _rand((2, 16, 64, 56), torch.float32, 33)
+    threads = torch.get_num_threads()
+
+    def run(num_threads):
+        torch.set_num_threads(num_threads)
+        xx = x.clone().requires_grad_()
+        idx = ops.reduce_mask(mask, bp, 0.5)
+        blocks = ops.sparse_gather(xx, idx, bp)
+        out = ops.sparse_scatter(blocks[:, :, 2:-2, 2:-2] * 1.5, idx, xx, bp, add=True)
+        (out * g).sum().backward()
+        return idx, out.detach(), xx.grad
+
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        first = run(threads)
+        for again in (run(threads), run(1), run(max(2, threads))):
+            assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    finally:
+        torch.use_deterministic_algorithms(was)
+        torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------------------------------ errors
+@pytest.fixture
+def setup():
+    bp = calc_block_params(12, 10, bsize=6, ksize=3)
+    idx = torch.tensor([[0, 0, 0], [1, 2, 1]], dtype=torch.int32)
+    x = torch.randn(2, 3, 12, 10)
+    blocks = torch.randn(2, 3, bp.obsize_h, bp.obsize_w)
+    return bp, idx, x, blocks
+
+
+_G, _R, _S, _S_ = ops.sparse_gather, ops.reduce_mask, ops.sparse_scatter, ops.sparse_scatter_
+_I32 = torch.int32
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda bp, i, x, b: _G(x[0], i, bp), ValueError, "x must be 4-D"),
+        (lambda bp, i, x, b: _G(x[:, :, :11], i, bp), ValueError, r"x must be \[N, C, 12, 10\]"),
+        (lambda bp, i, x, b: _G(x.int(), i, bp), TypeError, "x must be float16"),
+        (lambda bp, i, x, b: _G(x, i.float(), bp), TypeError, "indices must be int32"),
+        (lambda bp, i, x, b: _G(x, i[:, :2], bp), ValueError, r"indices must have shape \[K, 3\]"),
+        (lambda bp, i, x, b: _G(x[:1], i, bp), ValueError, "column n out of range"),
+        (lambda bp, i, x, b: _G(x, i + torch.tensor([0, 5, 0], dtype=_I32), bp), ValueError, "column by out"),
+        (lambda bp, i, x, b: _G(x, i - torch.tensor([0, 0, 1], dtype=_I32), bp), ValueError, "column bx out"),
+        (lambda bp, i, x, b: _G(x, torch.cat([i, i[:1]]), bp), ValueError, "repeated rows"),
+        (lambda bp, i, x, b: _G(x, i, (6, 6)), TypeError, "bp must be a BlockParams"),
+        (lambda bp, i, x, b: _R(x, bp), ValueError, r"mask must have shape \[N, 1, 12, 10\]"),
+        (lambda bp, i, x, b: _R(x[:, :1, :, :9], bp), ValueError, "mask must have shape"),
+        (lambda bp, i, x, b: _R(x[:, :1].long(), bp), TypeError, "mask must be float16"),
+        (lambda bp, i, x, b: _R(x[:, :1], bp, tol="0.5"), TypeError, "tol must be a float"),
+        (lambda bp, i, x, b: _S(b.double(), i, x, bp), TypeError, "same dtype"),
+        (lambda bp, i, x, b: _S(b[:, :2], i, x, bp), ValueError, r"blocks must be \[K, 3, 4, 4\]"),
+        (lambda bp, i, x, b: _S(b[:1], i, x, bp), ValueError, "1 blocks but indices has 2"),
+        (lambda bp, i, x, b: _S(b, i, x[..., :9], bp), ValueError, r"base must be \[N, C, 12, 10\]"),
+        (lambda bp, i, x, b: _S(b, i, x[:1], bp), ValueError, "column n out of range"),
+        (lambda bp, i, x, b: _S_(b.requires_grad_(), i, x, bp), RuntimeError, "for inference"),
+    ],
+)
+def test_clear_errors(kernels, setup, call, exc, match):
+    with pytest.raises(exc, match=match):
+        call(*setup)
+
+
+def test_raw_op_checks_batch_index(kernels, setup):
+    """The C++ ops re-check what memory safety needs even when called directly."""
+    bp, idx, x, blocks = setup
+    bad = idx.clone()
+    bad[1, 0] = 7
+    with pytest.raises(RuntimeError, match="outside"):
+        kernels.sparse_gather(x, bad, list(bp.bsize), list(bp.bstride), list(bp.boffset))
+    with pytest.raises(RuntimeError, match="outside"):
+        kernels.sparse_scatter(blocks, bad, x, list(bp.obsize), [0, 0], True)
+    with pytest.raises(RuntimeError, match="would overlap"):
+        kernels.sparse_scatter(blocks, idx, x, [2, 2], [0, 0], True)
+
+
+def test_fallback_warns_once_and_matches_reference(kernels, monkeypatch):
+    """Without kernels for a device the functional layer warns once (naming the reason) and runs the
+    reference."""
+    from detector.ops import functional
+
+    monkeypatch.setattr(_library, "has_kernels", lambda device_type: False)
+    monkeypatch.setattr(_library, "unavailable_reason", lambda device_type: "test: pretend no build")
+    monkeypatch.setattr(functional, "_warned_devices", set())
+    bp = calc_block_params(12, 10, bsize=6, ksize=3)
+    mask = (_rand((2, 1, 12, 10), torch.float32, 41) > 1.0).float()
+    x = _rand((2, 3, 12, 10), torch.float32, 42)
+    with pytest.warns(RuntimeWarning, match="pretend no build.*reference") as record:
+        idx = ops.reduce_mask(mask, bp, 0.5)
+        blocks = ops.sparse_gather(x, idx, bp)
+    assert len(record) == 1
+    assert torch.equal(idx, reference.reduce_mask(mask, bp, 0.5))
+    assert torch.equal(blocks, reference.sparse_gather(x, idx, bp))
+
+
+@pytest.mark.slow
+def test_no_kernels_env_var_in_fresh_process():
+    """DETECTOR_NO_KERNELS=1: the reference runs, with one warning naming the reason."""
+    code = (
+        "import warnings, torch\n"
+        "from detector.ops import calc_block_params, reduce_mask, sparse_gather\n"
+        "bp = calc_block_params(12, 10, bsize=6, ksize=3)\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    idx = reduce_mask(torch.ones(1, 1, 12, 10), bp)\n"
+        "    b = sparse_gather(torch.ones(1, 2, 12, 10), idx, bp)\n"
+        "print(len(w), str(w[0].message) if w else '', tuple(idx.shape), float(b.sum()))\n"
+    )
+    env = dict(os.environ, DETECTOR_NO_KERNELS="1")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert res.returncode == 0, res.stderr
+    count, _, rest = res.stdout.strip().partition(" ")
+    assert count == "1" and "DETECTOR_NO_KERNELS" in rest and "reference" in rest
+    bp = calc_block_params(12, 10, bsize=6, ksize=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = float(reference.sparse_gather(torch.ones(1, 2, 12, 10), reference.reduce_mask(
+            torch.ones(1, 1, 12, 10), bp, 0.5), bp).sum())
+    assert rest.endswith(f"({bp.num_blocks}, 3) {expected}")
