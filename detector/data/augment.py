@@ -1,0 +1,371 @@
+"""Training augmentation on :class:`Frame` → new :class:`Frame`, seeded by a numpy Generator per call.
+
+Ops (each a small configurable object with ``__call__(frame, rng) -> Frame``):
+- :class:`GtSampling`: paste objects of other frames (from a :class:`GtDatabase`) with their points at
+  their recorded place, when their BEV box collides with no box of the frame nor another pasted one
+  (exact separating-axis test on the rotated rectangles; touching counts as a collision); the frame's
+  points inside a pasted box are removed. On a frame with a road map, a pasted box must touch the road.
+- :class:`ObjectNoise`: per object, a random translation and rotation about its own centre; its points
+  move with it; a move whose BEV box collides with another box is rejected (up to ``num_tries``
+  draws). Objects whose boxes overlap another box are not moved. Background points inside a moved box
+  are removed.
+- :class:`GlobalFlip` (about the x axis: y → −y, yaw → −yaw), :class:`GlobalRotation` (about z),
+  :class:`GlobalScaling`: points, boxes and road map together.
+:class:`Augmentor` applies a list of ops in order; the usual order is GT sampling, object noise, flip,
+rotation, scaling.
+
+Invariants: every point inside an object's box before an op is inside the box after it (up to float32
+rounding of the stored coordinates), pasted points lie in their pasted box, yaw stays in [−π, π).
+The returned frame has ``labels=None``: the file's raw records no longer describe the augmented
+geometry (``gt_boxes``/``gt_names`` do). Its ``calib`` is the source frame's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from detector.data.gt_database import GtDatabase
+from detector.data.kitti import RoadMap
+from detector.data.structures import Boxes3D, Frame, wrap_angle
+
+
+# --------------------------------------------------------------------------------------------------
+# Geometry helpers
+# --------------------------------------------------------------------------------------------------
+def bev_boxes_overlap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """[N, M] bool: the BEV rectangles a [N, 5] and b [M, 5] = (x, y, l, w, yaw) intersect or touch.
+
+    Exact separating-axis test: two convex polygons are disjoint iff their projections on one of the
+    4 edge normals are disjoint."""
+    a = np.asarray(a, dtype=np.float64).reshape(-1, 5)
+    b = np.asarray(b, dtype=np.float64).reshape(-1, 5)
+    if len(a) == 0 or len(b) == 0:
+        return np.zeros((len(a), len(b)), dtype=bool)
+
+    def axes(r):  # [K, 2, 2]: unit heading u and its normal v
+        c, s = np.cos(r[:, 4]), np.sin(r[:, 4])
+        return np.stack([np.stack([c, s], -1), np.stack([-s, c], -1)], axis=1)
+
+    ua, ub = axes(a), axes(b)
+    n, m = len(a), len(b)
+    normals = np.concatenate([np.broadcast_to(ua[:, None], (n, m, 2, 2)),
+                              np.broadcast_to(ub[None, :], (n, m, 2, 2))], axis=2)  # [N, M, 4, 2]
+    d = b[None, :, :2] - a[:, None, :2]  # [N, M, 2]
+    dist = np.abs(np.einsum("nmkc,nmc->nmk", normals, d))  # centre distance along each normal
+    # Projection half-length of a rectangle on axis k: (l/2)|u·k| + (w/2)|v·k|.
+    ra = (a[:, 2, None, None] / 2 * np.abs(np.einsum("nmkc,nc->nmk", normals, ua[:, 0]))
+          + a[:, 3, None, None] / 2 * np.abs(np.einsum("nmkc,nc->nmk", normals, ua[:, 1])))
+    rb = (b[None, :, 2, None] / 2 * np.abs(np.einsum("nmkc,mc->nmk", normals, ub[:, 0]))
+          + b[None, :, 3, None] / 2 * np.abs(np.einsum("nmkc,mc->nmk", normals, ub[:, 1])))
+    return ~(dist > ra + rb).any(axis=-1)
+
+
+def _rotate_xy(xy: np.ndarray, angle: float) -> np.ndarray:
+    c, s = math.cos(angle), math.sin(angle)
+    return np.stack([c * xy[..., 0] - s * xy[..., 1], s * xy[..., 0] + c * xy[..., 1]], axis=-1)
+
+
+def _boxes_like(t64: torch.Tensor, like: Boxes3D) -> Boxes3D:
+    t64 = t64.clone()
+    t64[:, 6] = wrap_angle(t64[:, 6])
+    return Boxes3D(t64.to(like.tensor.dtype))
+
+
+def _replace(frame: Frame, **kw) -> Frame:
+    return dataclasses.replace(frame, labels=None, **kw)
+
+
+def _on_road(road: RoadMap, boxes: np.ndarray) -> np.ndarray:
+    """[N] bool: the centre or a BEV corner of each box [N, 7] lies on a drivable raster cell."""
+    if len(boxes) == 0:
+        return np.zeros(0, dtype=bool)
+    corners = Boxes3D(torch.from_numpy(np.asarray(boxes, np.float64))).bev_corners().numpy()  # [N, 4, 2]
+    pts = np.concatenate([np.asarray(boxes, np.float64)[:, None, :2], corners], axis=1)  # [N, 5, 2]
+    rows, cols = road.raster.shape
+    c = np.floor((pts[..., 0] - road.x_min) / road.resolution).astype(np.int64)
+    r = np.floor((pts[..., 1] - road.y_min) / road.resolution).astype(np.int64)
+    ok = (r >= 0) & (r < rows) & (c >= 0) & (c < cols)
+    hit = np.zeros(pts.shape[:2], dtype=bool)
+    hit[ok] = road.raster[r[ok], c[ok]]
+    return hit.any(axis=1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Road-map transforms (the raster follows the global transforms)
+# --------------------------------------------------------------------------------------------------
+def flip_road_map(road: RoadMap) -> RoadMap:
+    rows = road.raster.shape[0]
+    y_min = -(road.y_min + rows * road.resolution)
+    return RoadMap(road.raster[::-1].copy(), road.x_min, y_min, road.resolution)
+
+
+def scale_road_map(road: RoadMap, factor: float) -> RoadMap:
+    return RoadMap(road.raster.copy(), road.x_min * factor, road.y_min * factor, road.resolution * factor)
+
+
+def rotate_road_map(road: RoadMap, angle: float) -> RoadMap:
+    """The raster rotated by ``angle`` about the origin, resampled (nearest) on an axis-aligned raster of
+    the same resolution covering the rotated extent."""
+    res = road.resolution
+    rows, cols = road.raster.shape
+    x0, y0 = road.x_min, road.y_min
+    x1, y1 = x0 + cols * res, y0 + rows * res
+    corners = np.array([[x0, y0], [x1, y0], [x0, y1], [x1, y1]])
+    rc = _rotate_xy(corners, angle)
+    lo, hi = rc.min(axis=0), rc.max(axis=0)
+    ncols = max(int(math.ceil((hi[0] - lo[0]) / res)), 1)
+    nrows = max(int(math.ceil((hi[1] - lo[1]) / res)), 1)
+    xs = lo[0] + (np.arange(ncols) + 0.5) * res
+    ys = lo[1] + (np.arange(nrows) + 0.5) * res
+    c, s = math.cos(angle), math.sin(angle)
+    # Source position of each output centre: rotate back by -angle (separable in x and y).
+    sx = c * xs[None, :] + s * ys[:, None]
+    sy = -s * xs[None, :] + c * ys[:, None]
+    ci = np.floor((sx - x0) / res).astype(np.int64)
+    ri = np.floor((sy - y0) / res).astype(np.int64)
+    ok = (ri >= 0) & (ri < rows) & (ci >= 0) & (ci < cols)
+    out = np.zeros((nrows, ncols), dtype=bool)
+    out[ok] = road.raster[ri[ok], ci[ok]]
+    return RoadMap(out, float(lo[0]), float(lo[1]), res)
+
+
+# --------------------------------------------------------------------------------------------------
+# Global ops
+# --------------------------------------------------------------------------------------------------
+def _check_prob(name: str, p: float) -> None:
+    if not (0.0 <= float(p) <= 1.0):
+        raise ValueError(f"{name} must be a probability in [0, 1], got {p!r}")
+
+
+@dataclass(frozen=True)
+class GlobalFlip:
+    """With probability ``prob``, mirror about the x axis: y → −y, yaw → −yaw (the KITTI left/right flip)."""
+
+    prob: float = 0.5
+
+    def __post_init__(self):
+        _check_prob("GlobalFlip.prob", self.prob)
+
+    def __call__(self, frame: Frame, rng: np.random.Generator) -> Frame:
+        if rng.random() >= self.prob:
+            return frame
+        pts = frame.points.copy()
+        pts[:, 1] = -pts[:, 1]
+        road = None if frame.road_map is None else flip_road_map(frame.road_map)
+        return _replace(frame, points=pts, gt_boxes=frame.gt_boxes.flip_y(), road_map=road)
+
+
+@dataclass(frozen=True)
+class GlobalRotation:
+    """Rotate the scene about the LiDAR z axis by an angle drawn uniformly in [−max_angle, max_angle]."""
+
+    max_angle: float = math.pi / 4
+
+    def __post_init__(self):
+        if not (math.isfinite(self.max_angle) and self.max_angle >= 0):
+            raise ValueError(f"GlobalRotation.max_angle must be >= 0 radians, got {self.max_angle!r}")
+
+    def __call__(self, frame: Frame, rng: np.random.Generator) -> Frame:
+        angle = float(rng.uniform(-self.max_angle, self.max_angle))
+        pts = frame.points.copy()
+        pts[:, :2] = _rotate_xy(frame.points[:, :2].astype(np.float64), angle)
+        boxes = _boxes_like(Boxes3D(frame.gt_boxes.tensor.double()).rotate_z(angle).tensor, frame.gt_boxes)
+        road = None if frame.road_map is None else rotate_road_map(frame.road_map, angle)
+        return _replace(frame, points=pts, gt_boxes=boxes, road_map=road)
+
+
+@dataclass(frozen=True)
+class GlobalScaling:
+    """Scale the scene about the LiDAR origin by a factor drawn uniformly in [min_scale, max_scale]."""
+
+    min_scale: float = 0.95
+    max_scale: float = 1.05
+
+    def __post_init__(self):
+        if not (0 < self.min_scale <= self.max_scale and math.isfinite(self.max_scale)):
+            raise ValueError(
+                f"GlobalScaling needs 0 < min_scale <= max_scale, got {self.min_scale!r}, {self.max_scale!r}"
+            )
+
+    def __call__(self, frame: Frame, rng: np.random.Generator) -> Frame:
+        s = float(rng.uniform(self.min_scale, self.max_scale))
+        pts = frame.points.copy()
+        pts[:, :3] = frame.points[:, :3].astype(np.float64) * s
+        boxes = _boxes_like(Boxes3D(frame.gt_boxes.tensor.double()).scale(s).tensor, frame.gt_boxes)
+        road = None if frame.road_map is None else scale_road_map(frame.road_map, s)
+        return _replace(frame, points=pts, gt_boxes=boxes, road_map=road)
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-object noise
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ObjectNoise:
+    """Move each object (box and points) by a translation ~ N(0, translation_std) per axis and a rotation
+    about its centre ~ U(−max_rotation, max_rotation); the first of ``num_tries`` draws whose BEV box
+    collides with no other box is applied, else the object stays. Applied to each object with
+    probability ``prob``."""
+
+    translation_std: tuple[float, float, float] = (0.25, 0.25, 0.25)
+    max_rotation: float = math.pi / 20
+    num_tries: int = 10
+    prob: float = 1.0
+
+    def __post_init__(self):
+        _check_prob("ObjectNoise.prob", self.prob)
+        std = tuple(float(v) for v in self.translation_std)
+        if len(std) != 3 or any(not (math.isfinite(v) and v >= 0) for v in std):
+            raise ValueError(f"ObjectNoise.translation_std must be 3 values >= 0, got {std!r}")
+        object.__setattr__(self, "translation_std", std)
+        if not (math.isfinite(self.max_rotation) and self.max_rotation >= 0) or int(self.num_tries) < 1:
+            raise ValueError("ObjectNoise needs max_rotation >= 0 and num_tries >= 1")
+
+    def __call__(self, frame: Frame, rng: np.random.Generator) -> Frame:
+        n = len(frame.gt_boxes)
+        if n == 0:
+            return frame
+        boxes = frame.gt_boxes.tensor.detach().cpu().double().numpy().copy()  # [N, 7]
+        pts = frame.points.astype(np.float64)
+        inside = frame.gt_boxes.points_in_boxes(frame.points).numpy()  # [M, N]
+        owner = np.where(inside.any(axis=1), inside.argmax(axis=1), -1)
+        shared = (inside.sum(axis=1) > 1)
+        overlap = bev_boxes_overlap(boxes[:, [0, 1, 3, 4, 6]], boxes[:, [0, 1, 3, 4, 6]])
+        np.fill_diagonal(overlap, False)
+        movable = ~overlap.any(axis=1)
+        movable[np.unique(np.nonzero(inside[shared])[1])] = False
+        # Draw everything up front (one fixed number of draws per object keeps the stream reproducible).
+        apply = rng.random(n) < self.prob
+        shift = rng.normal(0.0, 1.0, size=(n, self.num_tries, 3)) * np.asarray(self.translation_std)
+        turn = rng.uniform(-self.max_rotation, self.max_rotation, size=(n, self.num_tries))
+        moved = np.zeros(n, dtype=bool)
+        for i in np.flatnonzero(apply & movable):
+            cand = np.repeat(boxes[i:i + 1], self.num_tries, axis=0)
+            cand[:, 0:3] += shift[i]
+            cand[:, 6] += turn[i]
+            others = np.delete(boxes, i, axis=0)
+            hit = bev_boxes_overlap(cand[:, [0, 1, 3, 4, 6]], others[:, [0, 1, 3, 4, 6]]).any(axis=1)
+            if hit.all():
+                continue
+            k = int(np.argmin(hit))  # first collision-free draw
+            sel = owner == i
+            local = pts[sel, :2] - boxes[i, :2]
+            pts[sel, :2] = _rotate_xy(local, float(turn[i, k])) + cand[k, :2]
+            pts[sel, 2] += shift[i, k, 2]
+            boxes[i] = cand[k]
+            moved[i] = True
+        out_pts = pts.astype(np.float32)
+        out_pts[:, 3] = frame.points[:, 3]
+        new_boxes = _boxes_like(torch.from_numpy(boxes), frame.gt_boxes)
+        if moved.any():
+            # Background points now inside a moved box would become part of the object: drop them.
+            bg = owner < 0
+            moved_boxes = new_boxes[torch.from_numpy(np.flatnonzero(moved))]
+            hit = moved_boxes.points_in_boxes(out_pts[bg]).numpy().any(axis=1)
+            drop = np.zeros(len(out_pts), dtype=bool)
+            drop[np.flatnonzero(bg)[hit]] = True
+            out_pts = out_pts[~drop]
+        return _replace(frame, points=out_pts, gt_boxes=new_boxes)
+
+
+# --------------------------------------------------------------------------------------------------
+# Ground-truth sampling
+# --------------------------------------------------------------------------------------------------
+class GtSampling:
+    """Paste up to ``counts[class]`` database objects per class into each frame.
+
+    Candidates: database objects of the class with at least ``min_points`` points and (when
+    ``max_difficulty`` is set) a KITTI difficulty in [0, max_difficulty], not from the frame itself.
+    They are drawn without replacement and accepted greedily in draw order when their BEV box collides
+    with no box of the frame and no box accepted before (and, on a frame with a road map and
+    ``require_road``, touches a drivable cell: see ``_on_road``). The frame's points inside the
+    accepted boxes are removed and the objects' points added.
+    """
+
+    def __init__(
+        self,
+        database: GtDatabase,
+        counts: Mapping[str, int],
+        min_points: int | Mapping[str, int] = 5,
+        max_difficulty: int | None = 2,
+        require_road: bool = True,
+    ):
+        self.database = database
+        self.counts = {str(k): int(v) for k, v in dict(counts).items()}
+        if any(v < 0 for v in self.counts.values()):
+            raise ValueError(f"GtSampling.counts must be >= 0, got {self.counts}")
+        mp = min_points if isinstance(min_points, Mapping) else {c: int(min_points) for c in self.counts}
+        self.min_points = {str(k): int(v) for k, v in dict(mp).items()}
+        self.max_difficulty = max_difficulty
+        self.require_road = bool(require_road)
+        n_pts = database.num_points
+        self._pool: dict[str, np.ndarray] = {}
+        for cls in self.counts:
+            ok = (database.names == cls) & (n_pts >= self.min_points.get(cls, 0))
+            if max_difficulty is not None:
+                ok &= (database.difficulty >= 0) & (database.difficulty <= int(max_difficulty))
+            self._pool[cls] = np.flatnonzero(ok)
+
+    def pool_size(self, cls: str) -> int:
+        return len(self._pool.get(cls, ()))
+
+    def __call__(self, frame: Frame, rng: np.random.Generator) -> Frame:
+        db = self.database
+        existing = frame.gt_boxes.tensor.detach().cpu().double().numpy()[:, [0, 1, 3, 4, 6]]
+        chosen: list[int] = []
+        for cls, want in self.counts.items():
+            pool = self._pool[cls]
+            pool = pool[db.frame_ids[pool] != frame.frame_id]
+            if want == 0 or len(pool) == 0:
+                continue
+            cand = rng.choice(pool, size=min(want, len(pool)), replace=False)
+            cbev = db.boxes[cand][:, [0, 1, 3, 4, 6]].astype(np.float64)
+            ok = ~bev_boxes_overlap(cbev, existing).any(axis=1)
+            if self.require_road and frame.road_map is not None:
+                ok &= _on_road(frame.road_map, db.boxes[cand])
+            pair = bev_boxes_overlap(cbev, cbev)
+            accepted = []
+            for j in np.flatnonzero(ok):
+                if not any(pair[j, a] for a in accepted):
+                    accepted.append(j)
+            chosen.extend(int(c) for c in cand[accepted])
+            existing = np.concatenate([existing, cbev[accepted]])
+        if not chosen:
+            return frame
+        idx = np.asarray(chosen)
+        pasted = Boxes3D(torch.from_numpy(db.boxes[idx]).to(frame.gt_boxes.tensor.dtype))
+        keep = ~pasted.points_in_boxes(frame.points).numpy().any(axis=1)
+        obj_pts = np.concatenate([db.object_points(int(k)) for k in idx])
+        points = np.concatenate([frame.points[keep], obj_pts]).astype(np.float32)
+        boxes = Boxes3D.cat([frame.gt_boxes, pasted])
+        names = np.concatenate([frame.gt_names, db.names[idx]]).astype("<U16")
+        return _replace(frame, points=points, gt_boxes=boxes, gt_names=names)
+
+
+# --------------------------------------------------------------------------------------------------
+# Composition
+# --------------------------------------------------------------------------------------------------
+class Augmentor:
+    """Applies ``ops`` in order: ``augmentor(frame, rng) -> Frame`` (a new Frame; the input is not
+    modified). Pass one Generator per sample (e.g. seeded from (seed, epoch, index)) so DataLoader
+    workers are deterministic."""
+
+    def __init__(self, ops: Sequence = ()):
+        self.ops = list(ops)
+        for op in self.ops:
+            if not callable(op):
+                raise ValueError(f"Augmentor ops must be callable (frame, rng) -> Frame, got {op!r}")
+
+    def __call__(self, frame: Frame, rng: np.random.Generator) -> Frame:
+        if not isinstance(rng, np.random.Generator):
+            raise ValueError(f"Augmentor needs a numpy Generator (np.random.default_rng(seed)), got {rng!r}")
+        out = _replace(frame, points=frame.points.copy(), gt_boxes=frame.gt_boxes.clone(),
+                       gt_names=frame.gt_names.copy())
+        for op in self.ops:
+            out = op(out, rng)
+        return out

@@ -1,0 +1,167 @@
+"""Ground-truth database for GT sampling: every labeled object of chosen classes of a KITTI-format
+training split, with the points inside its box.
+
+Stored as one ``.npz`` of plain arrays (no pickle: read with ``allow_pickle=False``), in the dataset's
+``gt_database/`` folder or a given cache dir, and rebuilt when its source changes: the file records a
+fingerprint of the builder version, the classes, the frame ids and the size and mtime of every
+velodyne/label/calib file it read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from detector.data.kitti import KittiLabels, KittiRoot
+
+_VERSION = "gtdb-1"
+DEFAULT_CLASSES = ("Car", "Pedestrian", "Cyclist")
+
+
+def kitti_difficulty(labels: KittiLabels) -> np.ndarray:
+    """[N] int8: 0 easy, 1 moderate, 2 hard, -1 none (KITTI's rules: 2D box height >= 40 / 25 / 25 px,
+    occlusion <= 0 / 1 / 2, truncation <= 0.15 / 0.3 / 0.5); the easiest level an object meets."""
+    height = labels.bbox[:, 3] - labels.bbox[:, 1]
+    out = np.full(len(labels), -1, dtype=np.int8)
+    levels = [(40, 0, 0.15), (25, 1, 0.3), (25, 2, 0.5)]  # (min 2D height px, max occlusion, max truncation)
+    for level, (min_h, max_occ, max_trunc) in reversed(list(enumerate(levels))):
+        ok = (height >= min_h) & (labels.occluded <= max_occ) & (labels.truncated <= max_trunc)
+        out[ok] = level
+    return out
+
+
+@dataclass
+class GtDatabase:
+    """Objects of K labeled boxes. ``boxes`` [K, 7] float32 LiDAR boxes (as in ``Frame.gt_boxes``) at
+    their place in their source frame; ``points[offsets[k]:offsets[k+1]]`` [n_k, 4] float32 are the
+    source frame's points inside box k (``Boxes3D.points_in_boxes``, margin 0), unchanged."""
+
+    boxes: np.ndarray
+    names: np.ndarray
+    difficulty: np.ndarray
+    frame_ids: np.ndarray
+    points: np.ndarray
+    offsets: np.ndarray
+    fingerprint: str = ""
+
+    def __len__(self) -> int:
+        return len(self.boxes)
+
+    @property
+    def num_points(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def object_points(self, k: int) -> np.ndarray:
+        return self.points[self.offsets[k]: self.offsets[k + 1]]
+
+    # --- building ---------------------------------------------------------------------------------
+    @classmethod
+    def build(cls, root: KittiRoot, frame_ids: Sequence[str], classes: Sequence[str] = DEFAULT_CLASSES,
+              fingerprint: str = "") -> GtDatabase:
+        """Read every frame (labels required) and collect its objects of ``classes``."""
+        if not root.has_labels():
+            raise ValueError(f"{root.dir}: no label_2 folder: a GT database needs a labeled split")
+        boxes, names, diff, fids, pts, counts = [], [], [], [], [], []
+        for fid in frame_ids:
+            f = root.read_frame(fid)
+            obj = f.labels.name != "DontCare"
+            labels = f.labels.select(obj)
+            keep = np.isin(f.gt_names, np.asarray(classes))
+            if not keep.any():
+                continue
+            b = f.gt_boxes[torch.from_numpy(np.flatnonzero(keep))]
+            inside = b.points_in_boxes(f.points).numpy()  # [M, n]
+            for j in range(len(b)):
+                p = f.points[inside[:, j]]
+                pts.append(p)
+                counts.append(len(p))
+            boxes.append(b.numpy().astype(np.float32))
+            names.append(f.gt_names[keep])
+            diff.append(kitti_difficulty(labels)[keep])
+            fids.append(np.full(int(keep.sum()), fid, dtype="<U16"))
+        offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
+        return cls(
+            boxes=np.concatenate(boxes) if boxes else np.zeros((0, 7), np.float32),
+            names=np.concatenate(names).astype("<U16") if names else np.zeros(0, "<U16"),
+            difficulty=np.concatenate(diff) if diff else np.zeros(0, np.int8),
+            frame_ids=np.concatenate(fids) if fids else np.zeros(0, "<U16"),
+            points=np.concatenate(pts).astype(np.float32) if pts else np.zeros((0, 4), np.float32),
+            offsets=offsets,
+            fingerprint=fingerprint,
+        )
+
+    # --- storage -----------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez(tmp, boxes=self.boxes, names=self.names, difficulty=self.difficulty,
+                 frame_ids=self.frame_ids, points=self.points, offsets=self.offsets,
+                 fingerprint=np.asarray(self.fingerprint))
+        os.replace(tmp, path)  # atomic: a concurrent reader never sees half a file
+
+    @classmethod
+    def load(cls, path: str | Path) -> GtDatabase:
+        path = Path(path)
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                db = cls(z["boxes"], z["names"], z["difficulty"], z["frame_ids"], z["points"], z["offsets"],
+                         str(z["fingerprint"]))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: GT database not found") from None
+        except (KeyError, ValueError, OSError) as e:
+            raise ValueError(f"{path}: not a valid GT database file ({e})") from None
+        k = len(db.boxes)
+        if (db.boxes.shape != (k, 7) or db.offsets.shape != (k + 1,) or len(db.names) != k
+                or db.points.ndim != 2 or db.points.shape[1] != 4 or int(db.offsets[-1]) != len(db.points)):
+            raise ValueError(f"{path}: inconsistent GT database arrays")
+        return db
+
+    @classmethod
+    def load_or_build(
+        cls,
+        root: str | Path,
+        split: str = "train",
+        classes: Sequence[str] = DEFAULT_CLASSES,
+        cache_dir: str | Path | None = None,
+        frame_ids: Sequence[str] | None = None,
+    ) -> GtDatabase:
+        """The database of ``ImageSets/{split}.txt`` (or the given ``frame_ids``), from the cache file
+        ``{cache_dir or root/gt_database}/gt_{split}_{classes}.npz`` when its fingerprint matches the
+        source, else built and saved there."""
+        kroot = KittiRoot(root)
+        ids = list(frame_ids) if frame_ids is not None else kroot.imageset(split)
+        classes = tuple(str(c) for c in classes)
+        fp = source_fingerprint(kroot, ids, classes)
+        cache = Path(cache_dir) if cache_dir is not None else kroot.root / "gt_database"
+        path = cache / f"gt_{split}_{'-'.join(classes)}.npz"
+        if path.is_file():
+            try:
+                db = cls.load(path)
+                if db.fingerprint == fp:
+                    return db
+            except ValueError:
+                pass  # unreadable cache: rebuild
+        db = cls.build(kroot, ids, classes, fingerprint=fp)
+        db.save(path)
+        return db
+
+
+def source_fingerprint(root: KittiRoot, frame_ids: Sequence[str], classes: Sequence[str]) -> str:
+    h = hashlib.sha256()
+    h.update(f"{_VERSION}|{','.join(classes)}|".encode())
+    for fid in frame_ids:
+        for kind in ("velodyne", "label_2", "calib"):
+            p = root.path(kind, fid)
+            try:
+                st = p.stat()
+                h.update(f"{fid}:{kind}:{st.st_size}:{st.st_mtime_ns};".encode())
+            except FileNotFoundError:
+                h.update(f"{fid}:{kind}:missing;".encode())
+    return h.hexdigest()

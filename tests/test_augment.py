@@ -1,0 +1,391 @@
+"""Augmentation: points stay inside their boxes through every op, GT sampling pastes consistently and
+without collisions, determinism by seed, road maps follow the global transforms, GT database cache."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from detector.data.augment import (
+    Augmentor,
+    GlobalFlip,
+    GlobalRotation,
+    GlobalScaling,
+    GtSampling,
+    ObjectNoise,
+    bev_boxes_overlap,
+)
+from detector.data.gt_database import GtDatabase, kitti_difficulty
+from detector.data.kitti import KittiRoot, RoadMap, boxes_to_labels, write_imageset, write_label, write_points
+from detector.data.structures import Boxes3D, Frame
+
+from .conftest import make_calib
+
+# Coordinates are stored as float32 (up to ~50 m here: ulp 3.8e-6 m); after a transform both the points
+# and the boxes are rounded, so "inside" is checked with this slack.
+FLOAT32_TOL = 1e-4
+
+
+def make_scene(seed: int, n_boxes: int = 6, frame_id: str = "000000", road: RoadMap | None = None) -> Frame:
+    """Cars on a 7 m lattice (no two boxes overlap), 60 points strictly inside each, ground points 2 cm
+    under the boxes and clutter outside them. Reflectance = the point's id (exact in float32)."""
+    rng = np.random.default_rng(seed)
+    slots = [(x, y) for x in (8.0, 15.0, 22.0, 29.0) for y in (-7.0, 0.0, 7.0)]
+    pick = rng.choice(len(slots), size=n_boxes, replace=False)
+    t = np.zeros((n_boxes, 7))
+    t[:, 0:2] = np.asarray(slots)[pick] + rng.uniform(-0.5, 0.5, (n_boxes, 2))
+    t[:, 3] = rng.uniform(3.5, 4.5, n_boxes)
+    t[:, 4] = rng.uniform(1.5, 1.9, n_boxes)
+    t[:, 5] = rng.uniform(1.4, 1.7, n_boxes)
+    t[:, 2] = -1.73 + t[:, 5] / 2
+    t[:, 6] = rng.uniform(-math.pi, math.pi, n_boxes)
+    boxes = Boxes3D(torch.from_numpy(t).float())
+    local = rng.uniform(-0.48, 0.48, (n_boxes, 60, 3)) * t[:, None, 3:6]
+    c, s = np.cos(t[:, 6])[:, None], np.sin(t[:, 6])[:, None]
+    lx, ly = local[..., 0], local[..., 1]
+    obj = np.stack([lx * c - ly * s, lx * s + ly * c, local[..., 2]], -1)
+    obj = (obj + t[:, None, 0:3]).reshape(-1, 3)
+    ground = np.column_stack([rng.uniform(0, 40, 1500), rng.uniform(-15, 15, 1500), np.full(1500, -1.75)])
+    clutter = np.column_stack(
+        [rng.uniform(0, 40, 1500), rng.uniform(-15, 15, 1500), rng.uniform(-1.7, 1.0, 1500)])
+    clutter = clutter[~boxes.points_in_boxes(clutter, margin=0.3).numpy().any(1)]
+    xyz = np.concatenate([obj, ground, clutter])
+    pts = np.column_stack([xyz, np.arange(len(xyz))]).astype(np.float32)
+    names = np.array(["Car"] * n_boxes, dtype="<U16")
+    return Frame(frame_id, pts, make_calib(), boxes, names, None, road)
+
+
+def check_points_stay_in_boxes(before: Frame, after: Frame, n_orig: int) -> None:
+    """Per object, the points inside its box before (by id) are in the output and inside its box after."""
+    inside = before.gt_boxes.points_in_boxes(before.points).numpy()
+    ids_after = after.points[:, 3].astype(np.int64)
+    pos = {int(i): k for k, i in enumerate(ids_after)}
+    for j in range(n_orig):
+        ids = before.points[inside[:, j], 3].astype(np.int64)
+        assert len(ids) > 0
+        assert all(int(i) in pos for i in ids), f"object {j} lost points"
+        p = after.points[[pos[int(i)] for i in ids]]
+        ok = after.gt_boxes[j].points_in_boxes(p, margin=FLOAT32_TOL).numpy()[:, 0]
+        assert ok.all(), f"object {j}: {int((~ok).sum())} of its points left its box"
+    yaw = after.gt_boxes.yaw.numpy()
+    assert ((yaw >= -math.pi) & (yaw < math.pi)).all()
+
+
+# --------------------------------------------------------------------------------------------------
+# Collision test
+# --------------------------------------------------------------------------------------------------
+def test_bev_overlap_known_answers():
+    sq = [0.0, 0.0, 1.0, 1.0, 0.0]
+    cases = [
+        ([0.9, 0.0, 1.0, 1.0, 0.0], True),
+        ([1.1, 0.0, 1.0, 1.0, 0.0], False),
+        ([1.0, 0.0, 1.0, 1.0, 0.0], True),  # touching counts
+        ([1.1, 1.1, 1.0, 1.0, math.pi / 4], False),  # bounding boxes overlap, shapes do not
+        ([0.95, 0.95, 1.0, 1.0, math.pi / 4], False),  # overlap iff c·√2 − 0.5 <= √2/2, c <= 0.854
+        ([0.84, 0.84, 1.0, 1.0, math.pi / 4], True),
+        ([0.0, 3.0, 8.0, 0.5, math.pi / 2], True),  # long thin box reaching down
+        ([0.0, 4.6, 8.0, 0.5, math.pi / 2], False),
+    ]
+    for other, expected in cases:
+        got = bev_boxes_overlap(np.array([sq]), np.array([other]))
+        assert got.shape == (1, 1) and bool(got[0, 0]) == expected, other
+        assert bool(bev_boxes_overlap(np.array([other]), np.array([sq]))[0, 0]) == expected  # symmetric
+    assert bev_boxes_overlap(np.zeros((0, 5)), np.array([sq])).shape == (0, 1)
+
+
+def test_bev_overlap_agrees_with_dense_sampling():
+    rng = np.random.default_rng(1)
+    a = np.column_stack([rng.uniform(-3, 3, (40, 2)), rng.uniform(0.5, 4, (40, 2)), rng.uniform(-3, 3, 40)])
+    b = np.column_stack([rng.uniform(-3, 3, (30, 2)), rng.uniform(0.5, 4, (30, 2)), rng.uniform(-3, 3, 30)])
+    sat = bev_boxes_overlap(a, b)
+    u = np.linspace(-0.5, 0.5, 41)
+    grid = np.stack(np.meshgrid(u, u, indexing="ij"), -1).reshape(-1, 2)
+    for i in range(len(a)):
+        la = grid * a[i, 2:4]
+        c, s = math.cos(a[i, 4]), math.sin(a[i, 4])
+        pa = np.column_stack([la[:, 0] * c - la[:, 1] * s, la[:, 0] * s + la[:, 1] * c]) + a[i, :2]
+        for j in range(len(b)):
+            d = pa - b[j, :2]
+            c2, s2 = math.cos(b[j, 4]), math.sin(b[j, 4])
+            lx, ly = d[:, 0] * c2 + d[:, 1] * s2, -d[:, 0] * s2 + d[:, 1] * c2
+            sampled = ((np.abs(lx) <= b[j, 2] / 2) & (np.abs(ly) <= b[j, 3] / 2)).any()
+            if sampled:
+                assert sat[i, j], (i, j)
+    assert 0 < sat.mean() < 1
+
+
+# --------------------------------------------------------------------------------------------------
+# Each op keeps points inside boxes
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "op",
+    [GlobalFlip(prob=1.0), GlobalRotation(max_angle=math.pi), GlobalScaling(0.8, 1.2),
+     ObjectNoise(translation_std=(1.0, 1.0, 0.2), max_rotation=math.pi / 4)],
+    ids=["flip", "rotation", "scaling", "object_noise"],
+)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_op_keeps_points_in_boxes(op, seed):
+    frame = make_scene(seed)
+    before_pts, before_boxes = frame.points.copy(), frame.gt_boxes.tensor.clone()
+    out = op(frame, np.random.default_rng(seed))
+    check_points_stay_in_boxes(frame, out, len(frame.gt_boxes))
+    assert np.array_equal(frame.points, before_pts) and torch.equal(frame.gt_boxes.tensor, before_boxes)
+    assert out.labels is None and len(out.gt_names) == len(out.gt_boxes)
+    assert out.points.dtype == np.float32 and out.gt_boxes.tensor.dtype == torch.float32
+    if not isinstance(op, ObjectNoise):
+        assert len(out.points) == len(frame.points)  # global ops keep every point, in order
+        np.testing.assert_array_equal(out.points[:, 3], frame.points[:, 3])
+
+
+def test_global_ops_known_answers():
+    frame = make_scene(3)
+    f = GlobalFlip(prob=1.0)(frame, np.random.default_rng(0))
+    np.testing.assert_array_equal(f.points[:, 1], -frame.points[:, 1])
+    np.testing.assert_allclose(f.gt_boxes.yaw.numpy(), -frame.gt_boxes.yaw.numpy(), atol=1e-6)
+    assert GlobalFlip(prob=0.0)(frame, np.random.default_rng(0)) is frame
+    s = GlobalScaling(2.0, 2.0)(frame, np.random.default_rng(0))
+    np.testing.assert_allclose(s.points[:, :3], frame.points[:, :3] * 2, rtol=1e-6)
+    np.testing.assert_allclose(s.gt_boxes.tensor[:, :6], frame.gt_boxes.tensor[:, :6] * 2, rtol=1e-6)
+    r = GlobalRotation(max_angle=0.0)(frame, np.random.default_rng(0))
+    np.testing.assert_allclose(r.points, frame.points, atol=1e-6)
+
+
+def test_object_noise_moves_objects_without_collisions():
+    moved_any = False
+    for seed in range(10):
+        frame = make_scene(seed, n_boxes=10)
+        op = ObjectNoise(translation_std=(2.0, 2.0, 0.1), max_rotation=math.pi / 2)
+        out = op(frame, np.random.default_rng(seed))
+        bev = out.gt_boxes.bev().double().numpy()
+        ov = bev_boxes_overlap(bev, bev)
+        np.fill_diagonal(ov, False)
+        assert not ov.any()
+        moved_any |= not torch.allclose(out.gt_boxes.tensor, frame.gt_boxes.tensor)
+        # No background point was left inside a moved box.
+        inside = out.gt_boxes.points_in_boxes(out.points).numpy().any(1)
+        obj_ids = set(frame.points[frame.gt_boxes.points_in_boxes(frame.points).numpy().any(1), 3].tolist())
+        assert set(out.points[inside, 3].tolist()) <= obj_ids
+    assert moved_any
+
+
+def test_object_noise_rejects_every_colliding_move():
+    # A box walled in by four boxes 1 cm away: any move beyond 1 cm collides, so it must stay put.
+    t = torch.tensor([
+        [10.0, 0.0, -1.0, 4.0, 2.0, 1.5, 0.0],
+        [14.01, 0.0, -1.0, 4.0, 2.0, 1.5, 0.0], [5.99, 0.0, -1.0, 4.0, 2.0, 1.5, 0.0],
+        [10.0, 2.01, -1.0, 4.0, 2.0, 1.5, 0.0], [10.0, -2.01, -1.0, 4.0, 2.0, 1.5, 0.0],
+    ])
+    pts = np.array([[10.0, 0.0, -1.0, 0.0], [10.5, 0.3, -0.8, 1.0]], np.float32)
+    frame = Frame("000000", pts, make_calib(), Boxes3D(t), np.array(["Car"] * 5, dtype="<U16"))
+    op = ObjectNoise(translation_std=(1.0, 1.0, 0.0), max_rotation=0.3, num_tries=10)
+    for seed in range(5):
+        out = op(frame, np.random.default_rng(seed))
+        assert torch.equal(out.gt_boxes.tensor[0], t[0])
+        np.testing.assert_array_equal(out.points, pts)
+
+
+# --------------------------------------------------------------------------------------------------
+# GT sampling
+# --------------------------------------------------------------------------------------------------
+def database_from_frames(frames: list[Frame]) -> GtDatabase:
+    boxes, names, fids, pts, counts = [], [], [], [], []
+    for f in frames:
+        inside = f.gt_boxes.points_in_boxes(f.points).numpy()
+        for j in range(len(f.gt_boxes)):
+            p = f.points[inside[:, j]].copy()
+            p[:, 3] += 1_000_000  # pasted ids are distinct from the scene's
+            pts.append(p)
+            counts.append(len(p))
+        boxes.append(f.gt_boxes.numpy())
+        names.append(f.gt_names)
+        fids.append(np.full(len(f.gt_boxes), f.frame_id, dtype="<U16"))
+    return GtDatabase(
+        np.concatenate(boxes).astype(np.float32), np.concatenate(names), np.zeros(len(counts), np.int8),
+        np.concatenate(fids), np.concatenate(pts).astype(np.float32),
+        np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+    )
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_gt_sampling_pastes_consistently(seed):
+    db = database_from_frames([make_scene(100 + k, n_boxes=8, frame_id=f"{k + 1:06d}") for k in range(4)])
+    frame = make_scene(seed, n_boxes=4)
+    op = GtSampling(db, {"Car": 10}, min_points=5, max_difficulty=None)
+    out = op(frame, np.random.default_rng(seed))
+    n0 = len(frame.gt_boxes)
+    n_new = len(out.gt_boxes) - n0
+    assert n_new > 0 and len(out.gt_names) == len(out.gt_boxes)
+    check_points_stay_in_boxes(frame, out, n0)
+    assert torch.equal(out.gt_boxes.tensor[:n0], frame.gt_boxes.tensor)
+    bev = out.gt_boxes.bev().double().numpy()
+    ov = bev_boxes_overlap(bev, bev)
+    np.fill_diagonal(ov, False)
+    assert not ov.any(), "pasted boxes collide"
+    pasted = out.gt_boxes[n0:]
+    is_pasted = out.points[:, 3] >= 1_000_000
+    inside = pasted.points_in_boxes(out.points).numpy()
+    # Pasted points lie in their pasted box (exactly: they are the stored values), scene points do not.
+    assert inside[is_pasted].any(1).all()
+    assert not inside[~is_pasted].any()
+    assert is_pasted.sum() == sum(int(db.num_points[k]) for k in range(len(db)) if any(
+        torch.equal(torch.from_numpy(db.boxes[k]), b) for b in pasted.tensor))
+
+
+def test_gt_sampling_filters_and_respects_road():
+    frames = [make_scene(200 + k, n_boxes=8, frame_id=f"{k + 1:06d}") for k in range(3)]
+    db = database_from_frames(frames)
+    db.difficulty[:] = np.arange(len(db)) % 4 - 1  # -1, 0, 1, 2, ...
+    op = GtSampling(db, {"Car": 5, "Pedestrian": 3}, min_points=61, max_difficulty=1)
+    assert op.pool_size("Car") == 0 and op.pool_size("Pedestrian") == 0  # every object has 60 points
+    op = GtSampling(db, {"Car": 5}, min_points=5, max_difficulty=1)
+    assert op.pool_size("Car") == int(((db.difficulty >= 0) & (db.difficulty <= 1)).sum())
+    # A frame whose road map is all non-drivable gets nothing pasted; an all-drivable one does.
+    frame = make_scene(5, n_boxes=2, road=RoadMap(np.zeros((100, 100), bool), -10.0, -25.0, 0.5))
+    op = GtSampling(db, {"Car": 8}, max_difficulty=None)
+    assert op(frame, np.random.default_rng(0)) is frame
+    frame.road_map = RoadMap(np.ones((100, 100), bool), -10.0, -25.0, 0.5)
+    assert len(op(frame, np.random.default_rng(0)).gt_boxes) > 2
+    assert len(GtSampling(db, {"Car": 8}, max_difficulty=None, require_road=False)(
+        dataclass_replace_road(frame, np.zeros((100, 100), bool)), np.random.default_rng(0)).gt_boxes) > 2
+
+
+def dataclass_replace_road(frame: Frame, raster: np.ndarray) -> Frame:
+    import dataclasses
+
+    return dataclasses.replace(frame, road_map=RoadMap(raster, -10.0, -25.0, 0.5))
+
+
+# --------------------------------------------------------------------------------------------------
+# Composition, determinism, road maps
+# --------------------------------------------------------------------------------------------------
+def full_augmentor(db: GtDatabase) -> Augmentor:
+    return Augmentor([
+        GtSampling(db, {"Car": 6}, max_difficulty=None),
+        ObjectNoise(translation_std=(0.5, 0.5, 0.1), max_rotation=0.3),
+        GlobalFlip(0.5), GlobalRotation(math.pi / 4), GlobalScaling(0.95, 1.05),
+    ])
+
+
+def test_augmentor_is_deterministic_and_consistent():
+    db = database_from_frames([make_scene(300 + k, n_boxes=8, frame_id=f"{k + 1:06d}") for k in range(3)])
+    aug = full_augmentor(db)
+    frame = make_scene(7)
+    a = aug(frame, np.random.default_rng(42))
+    b = aug(frame, np.random.default_rng(42))
+    c = aug(frame, np.random.default_rng(43))
+    np.testing.assert_array_equal(a.points, b.points)
+    assert torch.equal(a.gt_boxes.tensor, b.gt_boxes.tensor) and list(a.gt_names) == list(b.gt_names)
+    assert not (a.points.shape == c.points.shape and np.array_equal(a.points, c.points))
+    check_points_stay_in_boxes(frame, a, len(frame.gt_boxes))
+    with pytest.raises(ValueError, match="numpy Generator"):
+        aug(frame, 42)
+
+
+def _road_lookup(road: RoadMap, xy: np.ndarray) -> np.ndarray:
+    c = np.floor((xy[:, 0] - road.x_min) / road.resolution).astype(int)
+    r = np.floor((xy[:, 1] - road.y_min) / road.resolution).astype(int)
+    ok = (r >= 0) & (r < road.raster.shape[0]) & (c >= 0) & (c < road.raster.shape[1])
+    out = np.zeros(len(xy), bool)
+    out[ok] = road.raster[r[ok], c[ok]]
+    return out
+
+
+@pytest.mark.parametrize("op", [GlobalFlip(1.0), GlobalRotation(math.pi), GlobalScaling(0.7, 1.3)])
+def test_road_map_follows_global_ops(op):
+    rng = np.random.default_rng(0)
+    blocks = rng.random((12, 16)) < 0.5
+    road = RoadMap(np.kron(blocks, np.ones((4, 4), bool)), x_min=-3.0, y_min=-10.0, resolution=0.25)
+    # Points near the centres of the 1 m blocks: nearest resampling moves the raster by < 0.2 m.
+    by, bx = np.meshgrid(np.arange(12), np.arange(16), indexing="ij")
+    xy = np.column_stack([-3.0 + bx.ravel() + 0.5, -10.0 + by.ravel() + 0.5])
+    xy += rng.uniform(-0.2, 0.2, (192, 2))
+    pts = np.column_stack([xy, np.zeros(len(xy)), np.zeros(len(xy))]).astype(np.float32)
+    frame = Frame("000000", pts, make_calib(), Boxes3D.empty(), np.zeros(0, "<U16"), None, road)
+    for seed in range(4):
+        out = op(frame, np.random.default_rng(seed))
+        np.testing.assert_array_equal(_road_lookup(out.road_map, out.points[:, :2]), blocks.ravel())
+
+
+# --------------------------------------------------------------------------------------------------
+# GT database on disk
+# --------------------------------------------------------------------------------------------------
+def write_root(tmp_path, n_frames: int = 3):
+    calib = make_calib()
+    for d in ("velodyne", "label_2", "calib"):
+        (tmp_path / "training" / d).mkdir(parents=True, exist_ok=True)
+    (tmp_path / "ImageSets").mkdir(exist_ok=True)
+    ids = []
+    for k in range(n_frames):
+        fid = f"{k:06d}"
+        f = make_scene(400 + k, n_boxes=5, frame_id=fid)
+        write_points(tmp_path / "training" / "velodyne" / f"{fid}.bin", f.points)
+        labels = boxes_to_labels(f.gt_boxes, f.gt_names, calib)
+        write_label(tmp_path / "training" / "label_2" / f"{fid}.txt", labels)
+        calib.to_file(tmp_path / "training" / "calib" / f"{fid}.txt")
+        ids.append(fid)
+    write_imageset(tmp_path / "ImageSets" / "train.txt", ids)
+    return ids
+
+
+def test_gt_database_build_cache_and_rebuild(tmp_path, monkeypatch):
+    ids = write_root(tmp_path)
+    db = GtDatabase.load_or_build(tmp_path, "train")
+    path = tmp_path / "gt_database" / "gt_train_Car-Pedestrian-Cyclist.npz"
+    assert path.is_file() and len(db) == 15
+    # Each object's stored points are the frame's points inside its box.
+    f = KittiRoot(tmp_path).read_frame(ids[0])
+    k0 = int(np.flatnonzero(db.frame_ids == ids[0])[0])
+    ref = f.points[f.gt_boxes[0].points_in_boxes(f.points).numpy()[:, 0]]
+    np.testing.assert_array_equal(db.object_points(k0), ref)
+    assert (db.num_points >= 55).all()
+    with np.load(path, allow_pickle=False) as z:  # plain arrays, no pickle
+        assert set(z.files) >= {"boxes", "names", "points", "offsets", "fingerprint"}
+    # Cached: a second call does not rebuild.
+    calls = []
+    real_build = GtDatabase.build.__func__
+    counted = classmethod(lambda cls, *a, **k: calls.append(1) or real_build(cls, *a, **k))
+    monkeypatch.setattr(GtDatabase, "build", counted)
+    db2 = GtDatabase.load_or_build(tmp_path, "train")
+    assert calls == [] and np.array_equal(db2.points, db.points)
+    # A changed source file is noticed and rebuilt.
+    p = tmp_path / "training" / "velodyne" / f"{ids[1]}.bin"
+    st = p.stat()
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    GtDatabase.load_or_build(tmp_path, "train")
+    assert calls == [1]
+    # A corrupt cache is rebuilt too, and load() names the file.
+    path.write_bytes(b"not an npz")
+    with pytest.raises(ValueError, match="not a valid GT database"):
+        GtDatabase.load(path)
+    GtDatabase.load_or_build(tmp_path, "train")
+    assert calls == [1, 1]
+
+
+def test_kitti_difficulty():
+    calib = make_calib()
+    f = make_scene(1, n_boxes=3)
+    labels = boxes_to_labels(f.gt_boxes, f.gt_names, calib)
+    labels.bbox[:, 1] = 100
+    labels.bbox[:, 3] = [150, 130, 110]  # heights 50, 30, 10 px
+    assert kitti_difficulty(labels).tolist() == [0, 1, -1]
+    labels.occluded[:] = 2
+    assert kitti_difficulty(labels).tolist() == [2, 2, -1]
+
+
+def test_real_kitti_gt_sampling(kitti_real, tmp_path):
+    db = GtDatabase.load_or_build(kitti_real, frame_ids=["000000", "000001", "000002", "000003"],
+                                  cache_dir=tmp_path)
+    assert set(db.names) <= {"Car", "Pedestrian", "Cyclist"} and len(db) >= 4
+    assert (db.num_points[db.names == "Car"] > 0).all()
+    frame = KittiRoot(kitti_real).read_frame("000003")
+    op = GtSampling(db, {"Car": 5, "Pedestrian": 5, "Cyclist": 5}, min_points=5, max_difficulty=None)
+    out = Augmentor([op, ObjectNoise(), GlobalFlip(1.0), GlobalRotation(), GlobalScaling()])(
+        frame, np.random.default_rng(0))
+    assert len(out.gt_boxes) > len(frame.gt_boxes)
+    before = frame.gt_boxes.points_in_boxes(frame.points).numpy().sum(0)
+    after = out.gt_boxes.points_in_boxes(out.points, margin=FLOAT32_TOL).numpy().sum(0)
+    assert (after[: len(before)] >= before).all()
