@@ -47,6 +47,20 @@ test-all: setup
 kernels: setup
 	$(PYTHON) -c "from detector.ops import _library; _library.load(verbose=True)"
 
+# CUDA compile check of kernels/cuda/*.cu (no GPU needed; not part of CI): a CUDA build of torch in its
+# own venv (~5.5 GB: check `df -h .` first) and nvcc from CUDA_HOME.
+CUDA_VENV := .venv-cuda
+CUDA_TORCH_PIN ?= torch==2.14.1
+CUDA_HOME ?= /usr/local/cuda
+TORCH_CUDA_ARCH_LIST ?= 9.0
+kernels-cuda:
+	@test -x $(CUDA_HOME)/bin/nvcc || { echo "error: nvcc not found in CUDA_HOME=$(CUDA_HOME)"; exit 1; }
+	test -x $(CUDA_VENV)/bin/python || $(PY) -m venv $(CUDA_VENV)
+	$(CUDA_VENV)/bin/python -c "import torch, ninja" 2>/dev/null || \
+	  $(CUDA_VENV)/bin/python -m pip install -q "$(CUDA_TORCH_PIN)" numpy ninja
+	CUDA_HOME=$(CUDA_HOME) TORCH_CUDA_ARCH_LIST="$(TORCH_CUDA_ARCH_LIST)" $(CUDA_VENV)/bin/python -c \
+	  "from detector.ops import _library; print(_library.build(with_cuda=True, verbose=True))"
+
 lint: setup
 	$(BIN)/ruff check detector scripts tests
 

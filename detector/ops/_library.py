@@ -151,6 +151,18 @@ def _fail(reason: str, verbose: bool) -> bool:
     return False
 
 
+def _ninja_on_path() -> None:
+    """torch's loader runs ``ninja`` from PATH; a venv that is not activated has the pip ``ninja``
+    package's binary outside PATH, so add its folder when no ninja is found."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return  # the build then fails with torch's own "Ninja is required" message
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 def sources(with_cuda: bool) -> list[str]:
     """The extension's source files: schemas, CPU kernels and (``with_cuda``) CUDA kernels."""
     src = kernels_dir()
@@ -168,6 +180,7 @@ def build(with_cuda: bool, verbose: bool = False) -> Path:
     """
     from torch.utils.cpp_extension import load as cpp_load
 
+    _ninja_on_path()
     src = kernels_dir()
     files = sources(with_cuda)
     missing = [f for f in files[:1] if not Path(f).exists()]
@@ -176,9 +189,13 @@ def build(with_cuda: bool, verbose: bool = False) -> Path:
     out = build_dir(with_cuda)
     out.mkdir(parents=True, exist_ok=True)
     name = "sbnet_kernels_cuda" if with_cuda else "sbnet_kernels_cpu"
-    if verbose or _stale(out / f"{name}.so", src):
-        print(f"detector.ops: building sbnet kernels ({'CPU+CUDA' if with_cuda else 'CPU'}) in {out} "
-              "(first use; about a minute)", flush=True)
+    variant = "CPU+CUDA" if with_cuda else "CPU"
+    if _stale(out / f"{name}.so", src):
+        print(f"detector.ops: building sbnet kernels ({variant}) in {out} (first use: about a minute on CPU, "
+              "several with CUDA)", flush=True)
+    elif verbose:
+        print(f"detector.ops: sbnet kernels ({variant}) cached in {out}; checking they are up to date",
+              flush=True)
     cpp_load(
         name=name,
         sources=files,
