@@ -42,7 +42,7 @@ class Material(IntEnum):
 
 # Nominal reflectivity per material (instances of PAINT, CLOTH, FACADE and ASPHALT vary around it).
 ALBEDO = np.array(
-    [0.33, 0.45, 0.50, 0.40, 0.30, 0.50, 0.30, 0.45, 1.00, 0.40, 0.06, 0.05, 1.00, 0.85, 0.45, 0.35, 0.35],
+    [0.38, 0.45, 0.50, 0.40, 0.30, 0.50, 0.30, 0.45, 1.00, 0.40, 0.06, 0.05, 1.00, 0.85, 0.45, 0.35, 0.35],
     dtype=np.float32,
 )
 # Extra probability that a ray hitting the material gives no return (glass mostly transmits).

@@ -82,6 +82,7 @@ class Street:
     lines_dashed: np.ndarray  # bool per line
     cross_u: float | None  # centre of the cross street (None: no cross street)
     cross_half: float  # half width of the cross street's carriageway
+    dead_end: bool  # the main street ends at the cross street (a T-junction with buildings across)
     asphalt: float  # reflectivity of the road surface
     window_phase: float
 
@@ -109,6 +110,7 @@ class Street:
             lines_dashed=np.zeros(0, bool),
             cross_u=None,
             cross_half=0.0,
+            dead_end=False,
             asphalt=1.0,
             window_phase=0.0,
         )
@@ -130,6 +132,11 @@ class Street:
         """Height of the road surface at (u, v) in the LiDAR frame."""
         return -self.sensor_height + self.slope[0] * np.asarray(u) + self.slope[1] * np.asarray(v)
 
+    @property
+    def u_end(self) -> float:
+        """Where the main street ends (inf: it runs through the scene)."""
+        return self.cross_u + self.cross_half if self.dead_end else math.inf
+
     def in_cross(self, u) -> np.ndarray:
         if self.cross_u is None:
             return np.zeros(np.shape(u), dtype=bool)
@@ -139,7 +146,7 @@ class Street:
     def drivable(self, u, v) -> np.ndarray:
         """Road surface between the kerbs of the main street, or on the cross street."""
         u, v = np.asarray(u), np.asarray(v)
-        return ((v > self.kerb_right) & (v < self.kerb_left)) | self.in_cross(u)
+        return ((v > self.kerb_right) & (v < self.kerb_left) & (u < self.u_end)) | self.in_cross(u)
 
     def road_map(self, x_range=(0.0, 70.4), y_range=(-40.0, 40.0), resolution: float = 0.1) -> RoadMap:
         """The drivable area as a LiDAR-frame BEV raster (cell centres tested)."""
@@ -157,7 +164,7 @@ class Street:
         """Lane markings (0.12 m wide; dashes 3 m every 9 m) and a zebra crossing before the cross street."""
         u, v = np.asarray(u), np.asarray(v)
         out = np.zeros(u.shape, dtype=bool)
-        on_main = (v > self.kerb_right) & (v < self.kerb_left) & ~self.in_cross(u)
+        on_main = (v > self.kerb_right) & (v < self.kerb_left) & ~self.in_cross(u) & (u < self.u_end)
         for lv, dashed in zip(self.lines, self.lines_dashed, strict=True):
             hit = np.abs(v - lv) < 0.06
             if dashed:
@@ -228,13 +235,16 @@ class Scene:
 # --------------------------------------------------------------------------------------------------
 # Labels on the 0.01 grid
 # --------------------------------------------------------------------------------------------------
-def quantize_box(box7: np.ndarray, calib: Calibration) -> np.ndarray:
-    """The LiDAR box nearest to ``box7`` whose KITTI label values (bottom centre in the rectified camera
-    frame, h, w, l and rotation_y) are multiples of 0.01, i.e. what a 2-decimal label file stores."""
-    loc, dims, ry = Boxes3D(np.asarray(box7, np.float64)[None]).to_camera(calib)
+def quantize_boxes(boxes: np.ndarray, calib: Calibration) -> np.ndarray:
+    """[N, 7] LiDAR boxes nearest to ``boxes`` whose KITTI label values (bottom centre in the rectified
+    camera frame, h, w, l and rotation_y) are multiples of 0.01, i.e. what a 2-decimal label file stores."""
+    boxes = np.asarray(boxes, np.float64).reshape(-1, 7)
+    if len(boxes) == 0:
+        return boxes
+    loc, dims, ry = Boxes3D(boxes).to_camera(calib)
     loc, dims = np.round(loc, 2), np.round(dims, 2)
     ry = np.round(ry, 2)  # to_camera gives [-pi, pi): rounding stays within [-3.14, 3.14]
-    return Boxes3D.from_camera(loc, dims, ry, calib).tensor[0].numpy()
+    return Boxes3D.from_camera(loc, dims, ry, calib).tensor.numpy()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -290,11 +300,35 @@ _CAR_STYLES = ("sedan", "hatchback", "wagon", "suv")
 _CAR_STYLE_P = (0.35, 0.3, 0.2, 0.15)
 
 
+def _pick(rng: np.random.Generator, values: Sequence, probs: Sequence[float]):
+    """One of ``values`` drawn with probabilities ``probs`` (cheaper than Generator.choice)."""
+    x, acc = rng.random() * sum(probs), 0.0
+    for value, p in zip(values, probs, strict=True):
+        acc += p
+        if x < acc:
+            return value
+    return values[-1]
+
+
 def _normal(rng, mean, std, lo, hi) -> float:
     return float(np.clip(rng.normal(mean, std), lo, hi))
 
 
-def _vehicle(rng: np.random.Generator, parked: bool) -> tuple[str, TriMesh]:
+@dataclass
+class _Vehicle:
+    """A vehicle drawn but not built yet (its mesh is built only once its place is found)."""
+
+    name: str
+    style: str
+    l: float
+    w: float
+    h: float
+
+    def build(self, rng: np.random.Generator) -> TriMesh:
+        return vehicle_mesh(self.style, self.l, self.w, self.h, rng)
+
+
+def _vehicle(rng: np.random.Generator, parked: bool) -> _Vehicle:
     r = rng.random()
     if parked:
         name = "Car" if r < 0.87 else "Van" if r < 0.95 else "Truck" if r < 0.975 else "Misc"
@@ -302,20 +336,20 @@ def _vehicle(rng: np.random.Generator, parked: bool) -> tuple[str, TriMesh]:
         name = "Car" if r < 0.86 else "Van" if r < 0.94 else "Truck"
     l, w, h = (_normal(rng, *p) for p in _SIZES[name])
     if name == "Car":
-        style = _CAR_STYLES[rng.choice(4, p=_CAR_STYLE_P)]
+        style = _pick(rng, _CAR_STYLES, _CAR_STYLE_P)
         if style == "suv":
             h = float(np.clip(h + 0.15, 1.5, 1.85))
     else:
         style = {"Van": "van", "Truck": "truck", "Misc": "trailer"}[name]
-    return name, vehicle_mesh(style, l, w, h, rng)
+    return _Vehicle(name, style, l, w, h)
 
 
 def _sample_street(rng: np.random.Generator) -> Street:
-    n_fwd = int(rng.choice([1, 2, 3], p=[0.55, 0.35, 0.1]))
-    n_back = int(rng.choice([0, 1, 2], p=[0.2, 0.55, 0.25]))
+    n_fwd = _pick(rng, (1, 2, 3), (0.55, 0.35, 0.1))
+    n_back = _pick(rng, (0, 1, 2), (0.2, 0.55, 0.25))
     lane_w = float(rng.uniform(3.0, 3.6))
-    park_r = float(rng.uniform(2.0, 2.5)) if rng.random() < 0.8 else 0.0
-    park_l = float(rng.uniform(2.0, 2.5)) if rng.random() < 0.7 else 0.0
+    park_r = float(rng.uniform(2.0, 2.5)) if rng.random() < 0.85 else 0.0
+    park_l = float(rng.uniform(2.0, 2.5)) if rng.random() < 0.75 else 0.0
     ego_lane = int(rng.integers(n_fwd))
     v_edge = -(ego_lane + 0.5) * lane_w + float(rng.uniform(-0.3, 0.3))  # right edge of the forward lanes
     fwd = v_edge + (np.arange(n_fwd) + 0.5) * lane_w
@@ -344,6 +378,7 @@ def _sample_street(rng: np.random.Generator) -> Street:
         lines_dashed=np.asarray(dashed),
         cross_u=float(rng.uniform(12.0, 65.0)) if cross else None,
         cross_half=float(rng.uniform(4.0, 7.5)) if cross else 0.0,
+        dead_end=bool(cross and rng.random() < 0.4),
         asphalt=float(rng.uniform(0.7, 1.2)),
         window_phase=float(rng.uniform(0.0, 3.0)),
     )
@@ -353,7 +388,30 @@ def _segments(st: Street, lo: float, hi: float) -> list[tuple[float, float]]:
     """[lo, hi] along the street minus the cross street's carriageway."""
     if st.cross_u is None:
         return [(lo, hi)]
+    if st.dead_end:
+        return [(lo, st.cross_u - st.cross_half)]
     return [(lo, st.cross_u - st.cross_half), (st.cross_u + st.cross_half, hi)]
+
+
+def _buildings_across(st: Street, rng: np.random.Generator, yard_mat: int) -> list[_Part]:
+    """Sidewalk, yard and a row of buildings across the end of a dead-end main street."""
+    kh, u0 = st.kerb_height, st.u_end
+    sw = float(rng.uniform(2.0, 5.0))
+    parts = [
+        _Part(box((u0, -150.0, -0.5), (u0 + sw, 150.0, kh), M.CONCRETE)),
+        _Part(box((u0 + sw, -150.0, -0.5), (U_MAX, 150.0, kh), yard_mat)),
+    ]
+    front = u0 + sw + (float(rng.uniform(0.0, 4.0)) if rng.random() < 0.5 else 0.0)
+    v = -120.0 + float(rng.uniform(0.0, 10.0))
+    while v < 120.0:
+        length = float(rng.uniform(8.0, 30.0))
+        if rng.random() < 0.9:
+            depth, height = float(rng.uniform(8.0, 20.0)), float(rng.uniform(4.0, 22.0))
+            b = box((front, v, -0.5), (front + depth, v + length, kh + height), M.FACADE)
+            b.material[2:4] = M.ROOF
+            parts.append(_Part(b, float(rng.uniform(0.5, 1.5))))
+        v += length + (float(rng.uniform(1.0, 6.0)) if rng.random() < 0.3 else 0.0)
+    return parts
 
 
 def _static(st: Street, rng: np.random.Generator, occ: _Occupancy) -> list[_Part]:
@@ -361,6 +419,8 @@ def _static(st: Street, rng: np.random.Generator, occ: _Occupancy) -> list[_Part
     parts = [_Part(box((U_MIN, -200.0, -0.5), (U_MAX, 200.0, 0.0), M.ASPHALT), st.asphalt)]
     kh = st.kerb_height
     yard_mat = M.GRASS if rng.random() < 0.5 else M.CONCRETE
+    if st.dead_end:
+        parts += _buildings_across(st, rng, yard_mat)
     tree_p = float(rng.uniform(0.0, 0.9))
     for side in (-1.0, 1.0):
         kerb = st.kerb_left if side > 0 else st.kerb_right
@@ -449,18 +509,25 @@ def _objects(st: Street, rng: np.random.Generator, occ: _Occupancy) -> list[_Pla
     occ.add((-3.5, 6.0, -1.3, 1.3))
 
     def try_place(name, mesh, u, v, heading, on_sidewalk, moving, scale, margin) -> bool:
-        lo, hi = mesh.bounds()
-        l, w = hi[0] - lo[0], hi[1] - lo[1]
+        """Place ``mesh`` (a TriMesh, or a _Vehicle built once the place is free) unless it collides."""
+        if isinstance(mesh, _Vehicle):
+            l, w = mesh.l + 0.02, mesh.w  # licence plates stand 1 cm proud
+        else:
+            lo, hi = mesh.bounds()
+            l, w = hi[0] - lo[0], hi[1] - lo[1]
         r = _Occupancy.footprint(u, v, l, w, heading, margin)
         if not occ.free(r):
             return False
         occ.add(r)
+        if isinstance(mesh, _Vehicle):
+            mesh = mesh.build(rng)
         out.append(_Placement(name, mesh, u, v, heading, on_sidewalk, moving, scale))
         return True
 
-    def paint() -> float:
-        return float(rng.choice([0.3, 0.6, 1.0, 1.5, 1.9], p=[0.25, 0.2, 0.25, 0.15, 0.15]))
+    def paint() -> float:  # dark, grey, mid, light, white
+        return _pick(rng, (0.3, 0.6, 1.0, 1.5, 1.9), (0.25, 0.2, 0.25, 0.15, 0.15))
 
+    u_stop = st.u_end - 6.0  # the main street's objects stay clear of the buildings across a dead end
     cross_lo = st.cross_u - st.cross_half - 6.0 if st.cross_u is not None else None
     cross_hi = st.cross_u + st.cross_half + 3.0 if st.cross_u is not None else None
     # Parked vehicles along both kerbs.
@@ -468,35 +535,33 @@ def _objects(st: Street, rng: np.random.Generator, occ: _Occupancy) -> list[_Pla
         kerb = st.kerb_left if side > 0 else st.kerb_right
         if (st.park_left if side > 0 else st.park_right) == 0.0:  # no parking lane on this side
             continue
-        p_park = float(rng.uniform(0.2, 0.95))
+        p_park = float(rng.uniform(0.35, 0.95))
         u = -60.0 + float(rng.uniform(0.0, 5.0))
-        while u < 110.0:
+        while u < min(110.0, u_stop):
             if cross_lo is not None and cross_lo < u < cross_hi:
                 u = cross_hi
                 continue
             if rng.random() < p_park:
-                name, mesh = _vehicle(rng, parked=True)
-                lo, hi = mesh.bounds()
-                l, w = hi[0] - lo[0], hi[1] - lo[1]
+                veh = _vehicle(rng, parked=True)
+                l, w = veh.l + 0.02, veh.w
                 forward = (side < 0) == (rng.random() < 0.85)
                 heading = (0.0 if forward else math.pi) + float(rng.normal(0.0, 0.03))
                 v = kerb - side * (w / 2 + float(rng.uniform(0.1, 0.4)))
-                try_place(name, mesh, u + l / 2, v, heading, False, False, paint(), 0.2)
+                try_place(veh.name, veh, u + l / 2, v, heading, False, False, paint(), 0.2)
                 u += l + float(rng.uniform(0.5, 2.5))
             else:
                 u += float(rng.uniform(3.0, 8.0))
     # Traffic in the lanes.
-    density = float(rng.uniform(0.2, 1.0))
+    density = float(rng.uniform(0.3, 1.0))
     for lanes, heading0 in ((st.forward_lanes, 0.0), (st.backward_lanes, math.pi)):
         for lv in lanes:
             u = -60.0 + float(rng.uniform(0.0, 20.0))
-            while u < 110.0:
+            while u < min(110.0, u_stop):
                 if rng.random() < density:
-                    name, mesh = _vehicle(rng, parked=False)
-                    lo, hi = mesh.bounds()
+                    veh = _vehicle(rng, parked=False)
                     try_place(
-                        name,
-                        mesh,
+                        veh.name,
+                        veh,
                         u,
                         lv + float(rng.normal(0.0, 0.2)),
                         heading0 + float(rng.normal(0.0, 0.02)),
@@ -505,7 +570,7 @@ def _objects(st: Street, rng: np.random.Generator, occ: _Occupancy) -> list[_Pla
                         paint(),
                         0.5,
                     )
-                    u += (hi[0] - lo[0]) + float(rng.uniform(4.0, 30.0))
+                    u += veh.l + float(rng.uniform(4.0, 30.0))
                 else:
                     u += float(rng.uniform(8.0, 25.0))
     # Cross street: traffic both ways and a few parked cars.
@@ -515,10 +580,10 @@ def _objects(st: Street, rng: np.random.Generator, occ: _Occupancy) -> list[_Pla
             (st.cross_u + st.cross_half / 2, -math.pi / 2),
         ):
             for v in rng.uniform(-70.0, 70.0, size=int(rng.integers(0, 5))):
-                name, mesh = _vehicle(rng, parked=False)
+                veh = _vehicle(rng, parked=False)
                 try_place(
-                    name,
-                    mesh,
+                    veh.name,
+                    veh,
                     lane_u + float(rng.normal(0, 0.2)),
                     float(v),
                     heading + float(rng.normal(0, 0.03)),
@@ -531,12 +596,11 @@ def _objects(st: Street, rng: np.random.Generator, occ: _Occupancy) -> list[_Pla
             side = 1.0 if rng.random() < 0.5 else -1.0
             if st.kerb_right - 3.0 < v < st.kerb_left + 3.0:  # not in the intersection
                 continue
-            name, mesh = _vehicle(rng, parked=True)
-            w = mesh.bounds()[1][1] - mesh.bounds()[0][1]
-            u = st.cross_u + side * (st.cross_half - w / 2 - 0.3)
+            veh = _vehicle(rng, parked=True)
+            u = st.cross_u + side * (st.cross_half - veh.w / 2 - 0.3)
             try_place(
-                name,
-                mesh,
+                veh.name,
+                veh,
                 u,
                 float(v),
                 side * math.pi / 2 + float(rng.normal(0, 0.04)),
@@ -557,7 +621,7 @@ def _objects(st: Street, rng: np.random.Generator, occ: _Occupancy) -> list[_Pla
         side = 1.0 if rng.random() < 0.5 else -1.0
         kerb = st.kerb_left if side > 0 else st.kerb_right
         sw = st.sidewalk_left if side > 0 else st.sidewalk_right
-        u0 = float(rng.uniform(-20.0, 70.0))
+        u0 = float(rng.uniform(-20.0, min(70.0, u_stop)))
         v0 = kerb + side * float(rng.uniform(0.4, sw - 0.4))
         for k in range(1 + (int(rng.integers(1, 4)) if rng.random() < 0.3 else 0)):
             heading = (0.0 if rng.random() < 0.5 else math.pi) + float(rng.normal(0.0, 0.3))
@@ -588,10 +652,10 @@ def _objects(st: Street, rng: np.random.Generator, occ: _Occupancy) -> list[_Pla
                 0.1,
             )
     # Cyclists near the kerbs (a few on the sidewalk).
-    lam_c = 0.0 if rng.random() < 0.45 else float(rng.uniform(0.5, 3.0))
+    lam_c = 0.0 if rng.random() < 0.4 else float(rng.uniform(0.5, 3.5))
     for _ in range(int(rng.poisson(lam_c))):
         mesh = cyclist_mesh(_normal(rng, 1.72, 0.08, 1.5, 1.95), rng)
-        u = float(rng.uniform(-10.0, 70.0))
+        u = float(rng.uniform(-10.0, min(70.0, u_stop)))
         r = rng.random()
         if r < 0.55:
             v, heading, sidewalk = st.forward_lanes[0] - st.lane_width / 2 + 0.8, 0.0, False
@@ -672,22 +736,13 @@ def generate_scene(rng: np.random.Generator, calib: Calibration) -> Scene:
         v = p.mesh.vertices.copy()
         v[:, 2] += st.ground_z(v[:, 0], v[:, 1])  # shear onto the sloped ground
         static_lidar.append((TriMesh(v @ rot.T, p.mesh.triangles, p.mesh.material), p.scale))
-    objects = []
-    for p in placements:
+    boxes = np.zeros((len(placements), 7))
+    for k, p in enumerate(placements):
         lo, hi = p.mesh.bounds()
         dims = hi - lo
         base = float(st.ground_z(p.u, p.v)) + (st.kerb_height if p.on_sidewalk else 0.0)
         xy = st.to_lidar(np.array([p.u, p.v]))
-        box7 = np.array(
-            [
-                xy[0],
-                xy[1],
-                base + dims[2] / 2,
-                dims[0],
-                dims[1],
-                dims[2],
-                float(wrap_angle(p.heading + st.yaw)),
-            ]
-        )
-        objects.append((p.name, quantize_box(box7, calib), p.mesh, p.scale, p.moving))
+        boxes[k] = (xy[0], xy[1], base + dims[2] / 2, *dims, float(wrap_angle(p.heading + st.yaw)))
+    boxes = quantize_boxes(boxes, calib)
+    objects = [(p.name, b, p.mesh, p.scale, p.moving) for p, b in zip(placements, boxes, strict=True)]
     return assemble_scene(static_lidar, objects, st)
