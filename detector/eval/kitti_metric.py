@@ -339,13 +339,12 @@ def evaluate(
 
         ts = time.perf_counter()
         g_alpha, d_alpha, d_score = G.alpha[cd.gt], D.alpha[cd.det], D.score[cd.det]
-        d_order = np.argsort(d_score, kind="stable")
         states = [_states(lv, cd, G, g_height, g_dist, d_height, d_dist) for lv in all_levels]
         for mm in match_metrics:
             sub, ov = pair_ov[mm]
             graph = build_graph(cd.pair_gt[sub], cd.pair_det[sub], ov, overlaps[cls], cd.gt.size, cd.det.size)
             for li, (gs, ds) in enumerate(states):
-                counts = match_level(graph, gs, ds, d_score, in_dc[mm], g_alpha, d_alpha, d_order)
+                counts = match_level(graph, gs, ds, d_score, in_dc[mm], g_alpha, d_alpha)
                 _store(counts, mm, metrics, c, li, len(levels), curves, num_gt, dcurves, dnum_gt)
         t_match += time.perf_counter() - ts
 

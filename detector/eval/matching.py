@@ -151,6 +151,16 @@ def _take(values: np.ndarray, idx: np.ndarray, pad) -> np.ndarray:
     return np.where(idx >= 0, values[np.maximum(idx, 0)], pad)
 
 
+def _sum_at_or_above(scores: np.ndarray, thr: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+    """For each threshold thr[k] (non-increasing), the number (or total weight) of ``scores`` >= thr[k]."""
+    T = thr.size
+    asc = thr[::-1]
+    pos = np.searchsorted(asc, scores, side="right")  # how many thresholds each score reaches
+    hist = np.bincount(pos, weights=weights, minlength=T + 1)
+    tail = np.cumsum(hist[::-1])[::-1]  # tail[p] = sum of hist[p:]
+    return tail[1:][::-1]
+
+
 def match_level(
     graph: MatchGraph,
     gt_state: np.ndarray,
@@ -159,27 +169,32 @@ def match_level(
     det_in_dontcare: np.ndarray,
     gt_alpha: np.ndarray,
     det_alpha: np.ndarray,
-    det_order: np.ndarray | None = None,
 ) -> LevelCounts:
     """Run both passes of the protocol for one level.
 
     ``gt_state`` [n_gt]: 0 counted, 1 ignored. ``det_state`` [n_det]: 0 counted, 1 ignored, -1 not a
     candidate at this level. ``det_in_dontcare`` [n_det]: the detection's overlap with a DontCare region
-    of its frame exceeds the minimum (only used for counted detections). ``det_order``: optional
-    ascending argsort of ``det_score`` (pass it when calling for many levels).
+    of its frame exceeds the minimum (only used for counted detections).
     """
     n_gt = int((gt_state == 0).sum())
     fn_isolated = int(((gt_state == 0) & graph.gt_isolated).sum())
 
-    # Per-bucket views of the level's states.
-    views = []
+    # Components of one GT and one detection (most of them) in closed form; the others padded.
+    single, views = None, []
     for b in graph.buckets:
-        ig = _take(gt_state, b.gt, -1)
-        idt = _take(det_state, b.det, -1)
-        views.append((b, ig, idt, _take(det_score, b.det, -np.inf)))
+        if b.edge.shape[1:] == (1, 1):
+            g, d = b.gt[:, 0], b.det[:, 0]
+            single = (gt_state[g], det_state[d], det_score[d], gt_alpha[g] - det_alpha[d])
+        else:
+            ig = _take(gt_state, b.gt, -1)
+            idt = _take(det_state, b.det, -1)
+            views.append((b, ig, idt, _take(det_score, b.det, -np.inf)))
 
     # Pass 1: each GT takes the unassigned candidate with the highest score; TP scores give thresholds.
     tp_scores = []
+    if single is not None:
+        ig, idt, score, _ = single
+        tp_scores.append(score[(ig == 0) & (idt == 0)])
     for b, ig, idt, score in views:
         C, Gp, Dp = b.edge.shape
         assigned = np.zeros((C, Dp), bool)
@@ -198,15 +213,25 @@ def match_level(
     fp_t = np.zeros(T, np.int64)
     fn_t = np.full(T, fn_isolated, np.int64)
     sim_t = np.zeros(T)
+    if T == 0:
+        return LevelCounts(thr, tp_t, fp_t, fn_t, sim_t, n_gt)
 
     # Isolated counted detections above the threshold and outside DontCare regions are FP.
     lone = graph.det_isolated & (det_state == 0) & ~det_in_dontcare
-    order = np.argsort(det_score, kind="stable") if det_order is None else det_order
-    cum = np.concatenate([[0], np.cumsum(lone[order])])
-    fp_t += cum[-1] - cum[np.searchsorted(det_score[order], thr, side="left")]
+    fp_t += _sum_at_or_above(det_score[lone], thr).astype(np.int64)
 
-    # Pass 2, all thresholds at once: each GT takes the unassigned counted candidate with the largest
-    # overlap, else the first ignored one.
+    # Pass 2 on single pairs: above the threshold the GT takes its detection (a TP if both are counted);
+    # below it a counted GT is a FN. The detection is never a FP (it is taken whenever it is above).
+    if single is not None:
+        ig, idt, score, delta = single
+        tp = (ig == 0) & (idt == 0)
+        tp_t += _sum_at_or_above(score[tp], thr).astype(np.int64)
+        sim_t += _sum_at_or_above(score[tp], thr, (1.0 + np.cos(delta[tp])) / 2.0)
+        counted = ig == 0
+        fn_t += int(counted.sum()) - _sum_at_or_above(score[counted & (idt >= 0)], thr).astype(np.int64)
+
+    # Pass 2 on the other components, all thresholds at once: each GT takes the unassigned counted
+    # candidate with the largest overlap, else the first ignored one.
     for b, ig, idt, score in views:
         C, Gp, Dp = b.edge.shape
         below = score[:, None, :] < thr[None, :, None]  # [C, T, Dp]
