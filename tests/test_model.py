@@ -1,0 +1,214 @@
+"""The detector: target encoding/decoding, rotated NMS, sparse vs dense twin, overfitting one frame."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from detector.data.structures import Batch, Boxes3D, collate_frames
+from detector.data.voxelize import BevGrid
+from detector.eval.iou import bev_iou
+from detector.models.detector import BevDetector
+from detector.models.mask_net import MaskNet
+from detector.models.nms import rotated_nms
+from detector.models.targets import BoxCoder
+from detector.nn.resnet import SparseResNet
+
+GRID = BevGrid((0.0, 25.6), (-12.8, 12.8), (-2.5, 1.0), 0.2, 0.5)
+
+
+def _boxes():
+    return Boxes3D(torch.tensor([
+        [8.0, 2.0, -0.9, 4.0, 1.7, 1.5, 0.4],
+        [18.0, -5.0, -0.8, 3.8, 1.6, 1.45, -2.0],
+        [12.0, 8.0, -0.8, 0.8, 0.6, 1.7, 3.0],
+        [9.0, 5.5, -0.6, 5.0, 1.9, 2.1, 0.4],       # a Van: ignored for Car
+        [30.0, 0.0, -0.9, 4.0, 1.7, 1.5, 0.0],      # outside the grid: no target
+    ]))
+
+
+NAMES = np.array(["Car", "Car", "Pedestrian", "Van", "Car"])
+
+
+def test_targets_decode_back_to_the_boxes():
+    coder = BoxCoder(["Car", "Pedestrian"])
+    out = GRID.downsampled(4)
+    t = coder.encode([_boxes(), _boxes()[1:2]], [NAMES, NAMES[1:2]], out)
+    # every box inside the grid has positives of its class; the Van and the far car none
+    assert t.heatmap[0, 0].sum() > 0 and t.heatmap[0, 1].sum() > 0 and t.heatmap[1].sum() > 0
+    assert not (t.ignore & (t.heatmap > 0)).any()
+    # the Van's footprint is ignored for Car and not a positive
+    r, c = out.world_to_cell(torch.tensor(9.0), torch.tensor(5.5))
+    assert t.ignore[0, 0, r, c] and t.heatmap[0, 0, r, c] == 0
+    for b, boxes in ((0, _boxes()[:3]), (1, _boxes()[1:2])):
+        rows, cols = torch.nonzero(t.positive[b], as_tuple=True)
+        px, py = out.cell_center(rows, cols)
+        cls = t.heatmap[b, :, rows, cols].argmax(0)
+        dec = coder.decode_boxes(t.regression[b, :, rows, cols].T, cls, px, py)
+        # every decoded box is one of the frame's boxes (up to float rounding), and each box appears
+        d = (dec[:, None, :6] - boxes.tensor[None, :, :6]).abs().amax(-1)
+        dyaw = torch.remainder(dec[:, None, 6] - boxes.tensor[None, :, 6] + math.pi, 2 * math.pi) - math.pi
+        match = (d < 1e-4) & (dyaw.abs() < 1e-5)
+        assert match.any(1).all() and match.any(0).all()
+
+
+def test_decode_of_perfect_maps_gives_one_box_per_object():
+    coder = BoxCoder(["Car", "Pedestrian"])
+    out = GRID.downsampled(4)
+    boxes = _boxes()
+    t = coder.encode([boxes], [NAMES], out)
+    logits = torch.where(t.heatmap > 0, 6.0, -6.0)
+    dets = coder.decode(logits, t.regression, out, score_threshold=0.5, nms_iou=0.1)[0]
+    assert len(dets) == 3
+    iou = bev_iou(dets.boxes.bev().double().numpy(), boxes[:3].bev().double().numpy())
+    assert (iou.max(1) > 0.999).all()
+    assert sorted(dets.labels.tolist()) == [0, 0, 1]
+
+
+def _brute_force_nms(boxes, scores, labels, thr):
+    order = sorted(range(len(boxes)), key=lambda i: (-float(scores[i]), i))
+    keep = []
+    for i in order:
+        ok = True
+        for j in keep:
+            if labels[i] == labels[j]:
+                iou = bev_iou(boxes[i:i + 1, [0, 1, 3, 4, 6]], boxes[j:j + 1, [0, 1, 3, 4, 6]])[0, 0]
+                if iou > thr:
+                    ok = False
+                    break
+        if ok:
+            keep.append(i)
+    return keep
+
+
+@pytest.mark.parametrize("thr", [0.0, 0.1, 0.5])
+def test_rotated_nms_matches_brute_force(thr):
+    rng = np.random.default_rng(3)
+    n = 80
+    t = np.column_stack([rng.uniform(0, 12, n), rng.uniform(0, 12, n), np.zeros(n), rng.uniform(1, 5, n),
+                         rng.uniform(0.5, 2, n), np.ones(n), rng.uniform(-np.pi, np.pi, n)])
+    scores = rng.random(n)
+    scores[5] = scores[6]  # a tie: the lower index wins
+    labels = rng.integers(0, 2, n)
+    keep = rotated_nms(torch.from_numpy(t), torch.from_numpy(scores), torch.from_numpy(labels), thr)
+    assert keep.tolist() == _brute_force_nms(t, scores, labels, thr)
+
+
+def _model(mask_net=None, block=8) -> BevDetector:
+    torch.manual_seed(0)
+    backbone = SparseResNet(GRID.C, stem_channels=8, stage_units=(1, 1, 1), stage_channels=(8, 12, 16),
+                            stage_strides=(2, 2, 2), bottleneck=False, block_size=block)
+    return BevDetector(GRID, backbone, BoxCoder(["Car"]), neck_channels=8, head_channels=8, out_stride=4,
+                       mask_net=mask_net)
+
+
+def _batch(n=2, seed=0) -> Batch:
+    """Random points with some structure (a few dense clusters), n frames."""
+    from detector.data.kitti import Calibration
+    from detector.data.structures import Frame
+    from tests.conftest import make_calib
+
+    rng = np.random.default_rng(seed)
+    frames = []
+    for i in range(n):
+        pts = np.column_stack([rng.uniform(0, 25.6, 3000), rng.uniform(-12.8, 12.8, 3000),
+                               rng.uniform(-2.4, 0.9, 3000), rng.random(3000)]).astype(np.float32)
+        boxes = _boxes()[:3]
+        frames.append(Frame(f"{i:06d}", pts, make_calib(), boxes, NAMES[:3].copy()))
+    assert isinstance(frames[0].calib, Calibration)
+    return collate_frames(frames)
+
+
+def test_sparse_and_dense_twin_agree_with_all_ones_mask():
+    model = _model().eval()
+    batch = _batch()
+    with torch.no_grad():
+        dense = model(batch)
+        batch.mask = torch.ones(2, 1, GRID.H, GRID.W)
+        sparse = model(batch)
+    torch.testing.assert_close(sparse.heatmap, dense.heatmap, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(sparse.regression, dense.regression, rtol=1e-4, atol=1e-4)
+
+
+def test_sparse_equals_dense_where_the_receptive_field_is_active():
+    """With a road-like mask (an active band), head outputs whose receptive field lies inside the active
+    blocks equal the dense twin's; cells whose dense output does not move when the inactive region's
+    input changes are exactly those."""
+    model = _model().eval()
+    batch = _batch(1)
+    mask = torch.zeros(1, 1, GRID.H, GRID.W)
+    mask[..., 16:112, :] = 1.0  # |y| < 9.6 m: a road along x
+    with torch.no_grad():
+        bev = model.voxelize(batch)
+        dense = model(batch, bev=bev)
+        noisy = bev.clone()
+        noisy[..., (mask[0, 0] == 0)] += torch.rand_like(noisy[..., (mask[0, 0] == 0)])
+        moved = model(batch, bev=noisy)
+        batch.mask = mask
+        sparse = model(batch, bev=bev)
+    safe = (moved.heatmap - dense.heatmap).abs().amax(1) == 0  # outputs independent of the inactive input
+    assert safe.sum() > 0.1 * safe.numel()
+    diff = (sparse.heatmap - dense.heatmap).abs().amax(1)
+    assert diff[safe].max() < 1e-4
+    rdiff = (sparse.regression - dense.regression).abs().amax(1)
+    assert rdiff[safe].max() < 1e-4
+    assert abs(sparse.sparsity - (1 - mask.mean().item())) < 1e-6
+
+
+def test_predicted_mask_path_trains():
+    model = _model(mask_net=MaskNet(GRID.C, downsample=4, channels=8, num_convs=2)).train()
+    batch = _batch()
+    out = model(batch)
+    loss, logs = model.loss(out, batch)
+    assert "loss/mask" in logs and torch.isfinite(loss)
+    loss.backward()
+    assert model.mask_net.net[0].weight.grad is not None
+    assert out.mask is not None and 0.0 < out.sparsity < 1.0
+
+
+@pytest.fixture(scope="module")
+def sim_frame():
+    sim = pytest.importorskip("detector.data.sim")
+    from detector.data.kitti import labels_to_boxes
+    from detector.data.structures import Frame
+
+    f = sim.simulate_frame(seed=5, index=3)
+    lab = f.labels.labels
+    obj = lab.name != "DontCare"
+    boxes = Boxes3D(labels_to_boxes(lab.select(obj), f.calib).tensor.float())
+    return Frame("000003", f.scan.points, f.calib, boxes, lab.name[obj], lab)
+
+
+def test_overfit_one_simulated_frame(sim_frame):
+    """The loss falls while overfitting one frame, and the decoded cars then match the labeled cars in
+    the grid with BEV IoU > 0.7."""
+    torch.manual_seed(0)
+    backbone = SparseResNet(GRID.C, stem_channels=16, stage_units=(1, 1, 1), stage_channels=(24, 32, 48),
+                            stage_strides=(2, 2, 2), bottleneck=False, block_size=16)
+    model = BevDetector(GRID, backbone, BoxCoder(["Car"]), neck_channels=32, head_channels=32, out_stride=4)
+    batch = collate_frames([sim_frame])
+    cars = sim_frame.gt_boxes[torch.from_numpy(sim_frame.gt_names == "Car")]
+    c = cars.tensor
+    inside = (c[:, 0] > 1) & (c[:, 0] < 24.6) & (c[:, 1].abs() < 11.8)
+    cars = cars[inside]
+    assert len(cars) >= 2, "the test frame should hold cars in the small grid"
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    bev = model.voxelize(batch)
+    losses = []
+    model.train()
+    for _ in range(60):
+        out = model(batch, bev=bev)
+        loss, _ = model.loss(out, batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert np.mean(losses[-5:]) < 0.3 * np.mean(losses[:5])
+    model.eval()
+    with torch.no_grad():
+        dets = model.decode(model(batch, bev=bev), score_threshold=0.3)[0]
+    iou = bev_iou(cars.bev().double().numpy(), dets.boxes.bev().double().numpy())
+    assert len(dets) > 0 and (iou.max(1) > 0.7).all(), iou.max(1)
