@@ -238,16 +238,19 @@ def test_gt_outside_the_level_is_ignored_not_missed():
 
 
 def test_level_boundaries_use_the_files_decimal_values():
-    """Truncation 0.15 and a 2D height of exactly 40.00 px are easy (float32 storage must not push them
-    over the limit)."""
+    """Level tests decide on the float64 values of the files' decimals, as the devkit reads them, not on
+    the float32 that KittiLabels stores: truncation 0.15 is easy; a box from 100.12 to 140.12 px is 40 px
+    high (float32 arithmetic says 39.999992), one from 100.14 to 140.14 is not (float64 of the decimals
+    gives 39.999999999999986, float32 says 40)."""
     gt, dt = perfect(50)
-    edge = [
-        rec("Car", 60 + k, bbox=(10.0 + 60 * k, 180.12, 50.0 + 60 * k, 220.12), trunc=0.15) for k in range(3)
-    ]
-    r = ev(gt + edge, dt)
-    assert r.num_gt[0, 0] == 53
-    below = [rec("Car", 60, bbox=(10.0, 180.12, 50.0, 220.11)), rec("Car", 61, trunc=0.16)]
-    assert ev(gt + below, dt).num_gt[0, 0] == 50
+    trunc = [rec("Car", 60 + k, trunc=0.15) for k in range(3)]
+    assert ev(gt + trunc, dt).num_gt[0, 0] == 53
+    assert ev(gt + [rec("Car", 60, trunc=0.16)], dt).num_gt[0, 0] == 50
+    tall = rec("Car", 61, bbox=(10.0, 100.12, 50.0, 140.12))
+    short = rec("Car", 62, bbox=(70.0, 100.14, 110.0, 140.14))
+    assert ev(gt + [tall], dt).num_gt[0, 0] == 51
+    assert ev(gt + [short], dt).num_gt[0, 0] == 50
+    assert ev(gt + [short], dt).num_gt[0, 1] == 51
 
 
 def test_dontcare_regions_matter_in_2d_only():
@@ -270,8 +273,14 @@ def test_dontcare_regions_matter_in_2d_only():
     assert r.ap("Car", "2d", "moderate") == pytest.approx(100.0)
     assert r.ap("Car", "bev", "moderate") == pytest.approx(50 / 51 * 100)
     assert r.ap("Car", "3d", "moderate") == pytest.approx(50 / 51 * 100)
-    fp_half_in = dict(fp_in_dc, bbox=(950.0, 310.0, 1050.0, 360.0))  # half its area inside: < 0.7
-    assert ev(gt + [dc], dt + [fp_half_in]).ap("Car", "2d", "moderate") == pytest.approx(50 / 51 * 100)
+    # The DontCare test uses the class's minimum overlap: 60 % inside is a FP for Car (0.7), not for
+    # Pedestrian (0.5).
+    fp_60_in = dict(fp_in_dc, bbox=(940.0, 310.0, 1040.0, 360.0))
+    assert ev(gt + [dc], dt + [fp_60_in]).ap("Car", "2d", "moderate") == pytest.approx(50 / 51 * 100)
+    pgt, pdt = perfect(50, "Pedestrian", dims=(1.7, 0.6, 0.8))
+    ped_60_in = dict(fp_60_in, name="Pedestrian")
+    assert ev(pgt + [dc], pdt + [ped_60_in]).ap("Pedestrian", "2d", "moderate") == pytest.approx(100.0)
+    assert ev(pgt, pdt + [ped_60_in]).ap("Pedestrian", "2d", "moderate") == pytest.approx(50 / 51 * 100)
 
 
 def test_aos_uses_the_orientation():
@@ -295,9 +304,16 @@ def test_ap_by_distance():
     assert r.ap("Car", "3d", "0-30") == pytest.approx(100.0)
     assert r.ap("Car", "3d", "30-50") == 0.0
     assert r.ap("Car", "3d", "50+") == 0.0
-    # A detection just across the boundary from its GT is neither TP nor FP in either range.
-    r2 = ev(near + mid, dt + [dict(mid[0], score=0.95, loc=(mid[0]["loc"][0], 1.6, 29.9))])
-    assert r2.ap("Car", "bev", "0-30") == pytest.approx(100.0)
+    # A detection just inside 30 m on a GT just beyond it (BEV/3D IoU 0.88) is neither TP nor FP in 0-30
+    # (its GT is out of range); without that GT it is a false positive there.
+    edge_gt = rec("Car", 98, loc=(0.0, 1.6, 30.05))
+    edge_dt = dict(rec("Car", 98, loc=(0.0, 1.6, 29.95)), score=0.95)
+    with_gt = ev(near + mid + [edge_gt], dt + [edge_dt])
+    without = ev(near + mid, dt + [edge_dt])
+    for m in ("bev", "3d"):
+        assert with_gt.ap("Car", m, "0-30") == pytest.approx(100.0)
+        assert without.ap("Car", m, "0-30") == pytest.approx(50 / 51 * 100)
+    assert with_gt.distance_num_gt[0].tolist() == [50, 51, 0]
     custom = ev(near + mid, dt, distance_ranges=((0, 100),))
     assert custom.distance_levels == ("0-100",) and custom.distance_num_gt[0, 0] == 100
     assert ev(near, dt, distance_ranges=None).distance_levels == ()

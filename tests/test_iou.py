@@ -195,3 +195,12 @@ def test_box2d_overlap():
 def test_bad_input_is_a_clear_error(fn, arr, msg):
     with pytest.raises(ValueError, match=msg):
         fn(arr, arr)
+
+
+def test_accepts_torch_tensors_and_lists():
+    import torch
+
+    a = torch.tensor([[0.0, 0.0, 4.0, 2.0, 0.3]], dtype=torch.float32)
+    out = bev_iou(a, a)
+    assert isinstance(out, np.ndarray) and out.dtype == np.float64 and out[0, 0] == 1.0
+    assert bev_iou([[0, 0, 2, 2, 0]], [[1, 0, 2, 2, 0]])[0, 0] == pytest.approx(1 / 3)
