@@ -72,15 +72,17 @@ def test_all_ones_equals_dense(c, with_base):
     torch.testing.assert_close(ys, yd + (base if with_base else 0), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 @pytest.mark.parametrize("c", CONFIGS, ids=cid)
-def test_random_blocks_active_tiles_and_gradients(c):
+def test_random_blocks_active_tiles_and_gradients(c, layout):
     conv = make_conv(c)
     twin = copy.deepcopy(conv)
     blocks = random_blocks(conv)
-    x = torch.randn(N, C, H, W, dtype=torch.float64, requires_grad=True)
+    fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
+    x = torch.randn(N, C, H, W, dtype=torch.float64).contiguous(memory_format=fmt).requires_grad_(True)
     xd = x.detach().clone().requires_grad_(True)
     yd = twin(xd)
-    base = torch.randn_like(yd, requires_grad=True)
+    base = torch.randn_like(yd).contiguous(memory_format=fmt).requires_grad_(True)
     based = base.detach().clone().requires_grad_(True)
     ys = conv(x, base=base, blocks=blocks)
     act = tiles(blocks, yd.shape)

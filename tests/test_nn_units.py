@@ -157,6 +157,19 @@ def dense_oracle(u, x, pms):
 
 
 N, H, W = 2, 13, 11
+LAYOUTS = [
+    "nchw",
+    "nhwc",
+]  # maps in NCHW go through detector.ops; channels-last maps through detector.nn.layout
+
+
+def make_x(seed: int, layout: str, c: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    """An input and an independent copy, both leaves requiring grad, in ``layout``."""
+    torch.manual_seed(seed)
+    x = torch.randn(N, c, H, W, dtype=torch.float64)
+    if layout == "nhwc":
+        x = x.contiguous(memory_format=torch.channels_last)
+    return x.clone().requires_grad_(True), x.clone().requires_grad_(True)
 
 
 def every_block(u) -> ActiveBlocks:
@@ -204,14 +217,13 @@ def test_tile_regions_partition_every_level(v):
 
 
 # ------------------------------------------------------------------------- all-ones equals dense
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
 @pytest.mark.parametrize("v", VARIANTS, ids=vid)
-def test_all_ones_mask_equals_dense(v, train):
+def test_all_ones_mask_equals_dense(v, train, layout):
     u = make_unit(v).train(train)
     twin = copy.deepcopy(u)
-    torch.manual_seed(2)
-    x = torch.randn(N, 6, H, W, dtype=torch.float64, requires_grad=True)
-    xd = x.detach().clone().requires_grad_(True)
+    x, xd = make_x(2, layout)
     mask = torch.ones(N, 1, H, W, dtype=torch.float64)
     ys = u(x, mask=mask)
     yd = twin(xd)
@@ -230,14 +242,13 @@ def test_all_ones_mask_equals_dense(v, train):
 
 
 # ------------------------------------------------------------------ random blocks, eval mode
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("v", VARIANTS, ids=vid)
-def test_random_blocks_eval_active_tiles_and_gradients(v):
+def test_random_blocks_eval_active_tiles_and_gradients(v, layout):
     u = make_unit(v).eval()
     twin = copy.deepcopy(u)
     blocks = random_blocks(u, N, H, W)
-    torch.manual_seed(3)
-    x = torch.randn(N, 6, H, W, dtype=torch.float64, requires_grad=True)
-    xd = x.detach().clone().requires_grad_(True)
+    x, xd = make_x(3, layout)
     ys = u(x, blocks=blocks)
     yd = twin(xd)
     Ho, Wo = yd.shape[2:]
@@ -257,14 +268,13 @@ def test_random_blocks_eval_active_tiles_and_gradients(v):
 
 
 # ---------------------------------------------------------------- random blocks, training mode
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("v", VARIANTS, ids=vid)
-def test_random_blocks_train_matches_masked_bn_oracle(v):
+def test_random_blocks_train_matches_masked_bn_oracle(v, layout):
     u = make_unit(v).train()
     ref = copy.deepcopy(u)
     blocks = random_blocks(u, N, H, W, seed=5)
-    torch.manual_seed(4)
-    x = torch.randn(N, 6, H, W, dtype=torch.float64, requires_grad=True)
-    xd = x.detach().clone().requires_grad_(True)
+    x, xd = make_x(4, layout)
     pms = level_pixel_masks(u, blocks, N, H, W)
     yo, expected = dense_oracle(ref, xd, pms)
     ys = u(x, blocks=blocks)
@@ -306,17 +316,17 @@ def test_mask_path_uses_reduce_mask_semantics():
 
 
 # -------------------------------------------------------------------------------- chunking
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
 @pytest.mark.parametrize("v", [VARIANTS[0], VARIANTS[5], VARIANTS[8], VARIANTS[10]], ids=vid)
-def test_chunked_equals_unchunked(v, train):
+def test_chunked_equals_unchunked(v, train, layout):
     u = make_unit(v).train(train)
     small = copy.deepcopy(u)
     geo = u.geometry(H, W)
     small.memory_budget_mb = 3.5 * small.block_bytes(geo, 8) / 2**20  # three blocks per chunk
     blocks = random_blocks(u, N, H, W, frac=0.8, seed=7)
     assert small.chunk_blocks(geo, 8) == 3 and blocks.count > 3  # at least two chunks
-    x = torch.randn(N, 6, H, W, dtype=torch.float64, requires_grad=True)
-    x2 = x.detach().clone().requires_grad_(True)
+    x, x2 = make_x(8, layout)
     y1 = u(x, blocks=blocks)
     y2 = small(x2, blocks=blocks)
     torch.testing.assert_close(y1, y2, atol=ATOL, rtol=0)
@@ -418,3 +428,19 @@ def test_bad_inputs_raise_clear_errors():
         SparseResidualUnit(6, 6, stride=3)
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):
         u([1, 2, 3])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("v", [VARIANTS[0], VARIANTS[6]], ids=vid)
+def test_inplace_inference_writes_into_x(v, layout):
+    u = make_unit(v).eval()
+    blocks = random_blocks(u, N, H, W)
+    x = make_x(9, layout)[0].detach()
+    x0 = x.clone()
+    with torch.no_grad():
+        expected = u(x, blocks=blocks)
+        assert torch.equal(x, x0) and not torch.equal(expected, x)  # the default path copies
+        x2 = x.clone()
+        y = u(x2, blocks=blocks, inplace=True)
+    assert y is x2
+    torch.testing.assert_close(y, expected, atol=0, rtol=0)

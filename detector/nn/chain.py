@@ -50,9 +50,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from detector.ops.blocks import BlockParams
-from detector.ops.functional import reduce_mask, sparse_gather, sparse_scatter, sparse_scatter_
+from detector.ops.functional import reduce_mask, sparse_gather
 
 from .geometry import BlockSpan, ChainGeometry, ConvSpec, LevelMasks, chain_geometry, level_masks
+from .layout import gather_blocks, is_nhwc, scatter_blocks, zeros_like_layout
 from .norm import (
     Moments,
     check_count,
@@ -351,14 +352,19 @@ class SparseConvChain(nn.Module):
         return F.relu_(b + sc if sc is not None else b), new
 
     def _gather(self, x: torch.Tensor, idx: torch.Tensor, geo: ChainGeometry) -> torch.Tensor:
-        xb = sparse_gather(x, idx, geo.block)
-        if self.channels_last:
-            xb = xb.contiguous(memory_format=torch.channels_last)
-        return xb
+        if is_nhwc(x) or self.channels_last:
+            return gather_blocks(x, idx, geo.block)  # channels-last blocks
+        return sparse_gather(x, idx, geo.block)
 
     # ----------------------------------------------------------------------------------- sparse
-    def forward_sparse(self, x: torch.Tensor, blocks: ActiveBlocks) -> torch.Tensor:
-        """The sparse path on precomputed active blocks (see the module docstring for semantics)."""
+    def forward_sparse(self, x: torch.Tensor, blocks: ActiveBlocks, inplace: bool = False) -> torch.Tensor:
+        """The sparse path on precomputed active blocks (see the module docstring for semantics).
+
+        ``inplace`` (inference only: honoured when autograd is off and the blocks fit in one chunk)
+        lets an identity-shortcut unit write its tiles into ``x`` itself instead of a copy of it; the
+        blocks are all gathered before anything is written, so the result is the same. The caller
+        must own ``x`` (it is returned, modified).
+        """
         H, W = int(x.shape[2]), int(x.shape[3])
         geo = self.geometry(H, W)
         if not isinstance(blocks, ActiveBlocks):
@@ -371,7 +377,7 @@ class SparseConvChain(nn.Module):
         idx = blocks.indices
         N, (Ho, Wo) = x.shape[0], geo.block.out_size
         add = self.shortcut == "identity" and self.preact
-        base = x if self.shortcut == "identity" else x.new_zeros((N, self.out_channels, Ho, Wo))
+        base = x if self.shortcut == "identity" else zeros_like_layout(x, (N, self.out_channels, Ho, Wo))
         K = blocks.count
         if K == 0:
             return base
@@ -388,7 +394,9 @@ class SparseConvChain(nn.Module):
 
         if len(idx_chunks) == 1:
             tiles, new = self._run_blocks(self._gather(x, idx, geo), geo, masks[0], known, collect=False)
-            out = sparse_scatter(tiles, idx, base, geo.block, add=add)
+            # in place (inference): into a fresh zero base, or into the caller's x when it gave it away
+            write_in_place = not grad and (base is not x or inplace)
+            out = scatter_blocks(tiles, idx, base, geo.block, add=add, inplace=write_in_place)
             for j, m in new.items():
                 update_running_stats(slots[j], m)
             return out
@@ -417,11 +425,11 @@ class SparseConvChain(nn.Module):
                     for ic, mc in zip(idx_chunks, masks, strict=True)
                 ]
             )
-            out = sparse_scatter(tiles, idx, base, geo.block, add=add)
+            out = scatter_blocks(tiles, idx, base, geo.block, add=add, inplace=False)
         else:
-            out = base.clone()
+            out = base.clone() if base is x else base
             for ic, mc in zip(idx_chunks, masks, strict=True):
-                sparse_scatter_(final(x, ic, mc), ic, out, geo.block, add=add)
+                scatter_blocks(final(x, ic, mc), ic, out, geo.block, add=add, inplace=True)
         for j, m in enumerate(known):
             if m is not None:
                 update_running_stats(slots[j], m)
@@ -460,9 +468,16 @@ class SparseConvChain(nn.Module):
 
     # ---------------------------------------------------------------------------------- forward
     def forward(
-        self, x: torch.Tensor, mask: torch.Tensor | None = None, blocks: ActiveBlocks | None = None
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        blocks: ActiveBlocks | None = None,
+        inplace: bool = False,
     ) -> torch.Tensor:
-        """Dense when neither ``mask`` nor ``blocks`` is given; else sparse on the active blocks."""
+        """Dense when neither ``mask`` nor ``blocks`` is given; else sparse on the active blocks.
+
+        ``inplace``: see :meth:`forward_sparse` (inference only; ignored on the dense path).
+        """
         x = self._check_x(x)
         if blocks is None and mask is None:
             return self.forward_dense(x)
@@ -475,4 +490,4 @@ class SparseConvChain(nn.Module):
                     f"got {tuple(mask.shape)}"
                 )
             blocks = self.active_blocks(mask)
-        return self.forward_sparse(x, blocks)
+        return self.forward_sparse(x, blocks, inplace=inplace)

@@ -118,6 +118,7 @@ class SparseStage(nn.Module):
         self, x: torch.Tensor, mask: torch.Tensor | None, dense: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         first = self.units[0]
+        x_in = x
         if mask is None or dense:
             for u in self.units:
                 x = u(x)
@@ -127,8 +128,8 @@ class SparseStage(nn.Module):
             mask = _downsample_mask(mask)
         if mask is not None and not dense and len(self.units) > 1:
             blocks: ActiveBlocks = self.units[1].active_blocks(mask)
-            for u in self.units[1:]:
-                x = u(x, blocks=blocks)
+            for u in self.units[1:]:  # in-place into the stage's own intermediates only (inference)
+                x = u(x, blocks=blocks, inplace=x is not x_in and not torch.is_grad_enabled())
         return x, mask
 
 

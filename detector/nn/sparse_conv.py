@@ -23,9 +23,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from detector.ops.blocks import BlockParams, calc_block_params
-from detector.ops.functional import reduce_mask, sparse_gather, sparse_scatter, sparse_scatter_
+from detector.ops.functional import reduce_mask, sparse_gather
 
 from .chain import ActiveBlocks
+from .layout import gather_blocks, is_nhwc, scatter_blocks, zeros_like_layout
 
 __all__ = ["SparseBlockConv2d"]
 
@@ -91,9 +92,7 @@ class SparseBlockConv2d(nn.Conv2d):
         return ActiveBlocks(indices=reduce_mask(mask, bp, tol=self.tol, avgpool=self.avgpool), block=bp)
 
     def _blocks(self, x: torch.Tensor, idx: torch.Tensor, bp: BlockParams) -> torch.Tensor:
-        xb = sparse_gather(x, idx, bp)
-        if self.channels_last:
-            xb = xb.contiguous(memory_format=torch.channels_last)
+        xb = gather_blocks(x, idx, bp) if is_nhwc(x) or self.channels_last else sparse_gather(x, idx, bp)
         return F.conv2d(xb, self.weight, self.bias, self.stride, 0, 1, self.groups)
 
     def forward(
@@ -127,7 +126,10 @@ class SparseBlockConv2d(nn.Conv2d):
                 "SparseBlockConv2d: blocks were reduced for another geometry (block size or map)"
             )
         if base is None:
-            base = x.new_zeros(out_shape)
+            base = zeros_like_layout(x, out_shape)
+            fresh = True
+        else:
+            fresh = False
         idx = blocks.indices
         K = blocks.count
         if K == 0:
@@ -137,12 +139,15 @@ class SparseBlockConv2d(nn.Conv2d):
         )
         chunk = max(1, int(self.memory_budget_mb * 2**20) // per_block)
         if K <= chunk:
-            return sparse_scatter(self._blocks(x, idx, bp), idx, base, bp, add=True)
+            grad = torch.is_grad_enabled()
+            return scatter_blocks(
+                self._blocks(x, idx, bp), idx, base, bp, add=True, inplace=fresh and not grad
+            )
         chunks = [idx[s : s + chunk] for s in range(0, K, chunk)]
         if torch.is_grad_enabled():
             tiles = torch.cat([checkpoint(self._blocks, x, ic, bp, use_reentrant=False) for ic in chunks])
-            return sparse_scatter(tiles, idx, base, bp, add=True)
-        out = base.clone()
+            return scatter_blocks(tiles, idx, base, bp, add=True, inplace=False)
+        out = base if fresh else base.clone()
         for ic in chunks:
-            sparse_scatter_(self._blocks(x, ic, bp), ic, out, bp, add=True)
+            scatter_blocks(self._blocks(x, ic, bp), ic, out, bp, add=True, inplace=True)
         return out

@@ -1,0 +1,87 @@
+"""Channels-last gather/scatter (detector.nn.layout) vs the detector.ops reference semantics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from detector.nn.layout import gather_blocks, is_nhwc, scatter_blocks, zeros_like_layout
+from detector.ops.blocks import calc_block_params
+from detector.ops.functional import sparse_gather, sparse_scatter
+
+CL = torch.channels_last
+GEOMETRIES = [  # bsize, ksize, stride, padding
+    (6, 3, 1, 1),
+    (8, 5, 1, 2),
+    (9, 3, 2, 1),
+    (13, 7, 2, 3),
+    (4, 1, 1, 0),
+]
+
+
+def gid(g) -> str:
+    return "b{}k{}s{}p{}".format(*g)
+
+
+def random_indices(bp, N, seed=0, frac=0.6):
+    g = torch.Generator().manual_seed(seed)
+    on = torch.rand(N * bp.num_blocks, generator=g) < frac
+    on[0] = on[-1] = True  # include the first and the last (border) block
+    lin = on.nonzero().flatten()
+    n, r = lin // bp.num_blocks, lin % bp.num_blocks
+    return torch.stack([n, r // bp.bcount_w, r % bp.bcount_w], 1).to(torch.int32)
+
+
+@pytest.mark.parametrize("geo", GEOMETRIES, ids=gid)
+def test_gather_nhwc_equals_op_values_and_gradient(geo):
+    N, C, H, W = 2, 5, 11, 13
+    bp = calc_block_params(H, W, *geo)
+    idx = random_indices(bp, N)
+    x = torch.randn(N, C, H, W, dtype=torch.float64)
+    xl = x.contiguous(memory_format=CL).requires_grad_(True)
+    xr = x.clone().requires_grad_(True)
+    got, ref = gather_blocks(xl, idx, bp), sparse_gather(xr, idx, bp)
+    assert got.is_contiguous(memory_format=CL)
+    torch.testing.assert_close(got, ref, atol=0, rtol=0)
+    g = torch.randn_like(ref)
+    got.backward(g)
+    ref.backward(g)
+    torch.testing.assert_close(xl.grad, xr.grad, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("add", [False, True], ids=["write", "add"])
+@pytest.mark.parametrize("geo", GEOMETRIES, ids=gid)
+def test_scatter_nhwc_equals_op_values_and_gradients(geo, add):
+    N, C, H, W = 2, 4, 11, 13
+    bp = calc_block_params(H, W, *geo)
+    idx = random_indices(bp, N, seed=1)
+    blocks = torch.randn(idx.shape[0], C, bp.obsize_h, bp.obsize_w, dtype=torch.float64)
+    base = torch.randn(N, C, bp.out_h, bp.out_w, dtype=torch.float64)
+    bl = blocks.contiguous(memory_format=CL).requires_grad_(True)
+    basel = base.contiguous(memory_format=CL).requires_grad_(True)
+    br, baser = blocks.clone().requires_grad_(True), base.clone().requires_grad_(True)
+    got = scatter_blocks(bl, idx, basel, bp, add=add, inplace=False)
+    ref = sparse_scatter(br, idx, baser, bp, add=add)
+    assert is_nhwc(got)
+    torch.testing.assert_close(got, ref, atol=0, rtol=0)
+    g = torch.randn_like(ref)
+    got.backward(g)
+    ref.backward(g)
+    torch.testing.assert_close(bl.grad, br.grad, atol=0, rtol=0)
+    torch.testing.assert_close(basel.grad, baser.grad, atol=0, rtol=0)
+    with torch.no_grad():  # in place (inference)
+        into = base.contiguous(memory_format=CL)
+        assert scatter_blocks(blocks, idx, into, bp, add=add, inplace=True) is into
+        torch.testing.assert_close(into, ref.detach(), atol=0, rtol=0)
+
+
+def test_nchw_maps_go_through_the_ops_and_give_channels_last_blocks():
+    bp = calc_block_params(9, 9, 6, 3, 1, 1)
+    x = torch.randn(1, 3, 9, 9)
+    idx = random_indices(bp, 1)
+    got = gather_blocks(x, idx, bp)
+    assert got.is_contiguous(memory_format=CL)
+    torch.testing.assert_close(got, sparse_gather(x, idx, bp), atol=0, rtol=0)
+    z = zeros_like_layout(x.contiguous(memory_format=CL), (2, 4, 5, 5))
+    assert is_nhwc(z) and z.shape == (2, 4, 5, 5) and not z.any()
+    assert not is_nhwc(zeros_like_layout(x, (2, 4, 5, 5)))
