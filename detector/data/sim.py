@@ -22,12 +22,16 @@ One frame (:func:`simulate_frame`):
    - truncation = the fraction of the projected, unclipped 2D box outside the image;
    - occlusion: ``occlusion_samples`` points are drawn on the object's mesh (area-weighted); of those
      that project into the image, a point is hidden when the ray from the camera's optical centre to
-     it first hits something else. Hidden fraction < 0.2 → 0 (fully visible), < 0.5 → 1 (partly
+     it first hits something else. Hidden fraction ≤ 0.2 → 0 (fully visible), ≤ 0.5 → 1 (partly
      occluded), ≤ 0.85 → 2 (largely occluded); 3 (unknown) is never written;
    - an object is labeled with its class when it has at least ``MIN_POINTS`` LiDAR returns, a 2D box at
      least ``MIN_HEIGHT_PX`` tall and a hidden fraction ≤ 0.85. Otherwise, if it is still partly
      seen by the camera or the LiDAR, it becomes a ``DontCare`` region (its 2D box), as in KITTI;
      objects neither camera nor LiDAR sees are left out.
+
+5. The road map (:meth:`~detector.data.sim_scene.Street.road_map`): the drivable area (the road between
+   the kerbs, and the cross street) as a LiDAR-frame BEV raster over x 0–70.4 m, y −40–40 m at 0.1 m
+   (``ROAD_MAP_GRID``), written as ``road_map/%06d.png`` with the grid in ``road_map/grid.json``.
 
 Determinism: every random draw of frame ``i`` comes from ``numpy.random.SeedSequence(seed,
 spawn_key=(i,))`` and the ray casting is single-threaded, so a frame's files are byte-identical whatever
@@ -298,10 +302,16 @@ def hidden_fractions(
 
 @dataclass
 class FrameLabels:
-    """The label file's records, and for each the index of its object in ``scene.objects``."""
+    """The label file's records, and for each the index of its object in ``scene.objects`` (DontCare
+    regions included: each comes from one object)."""
 
     labels: KittiLabels
     objects: np.ndarray
+
+    @property
+    def labeled(self) -> np.ndarray:
+        """Object indices of the records that are not DontCare, in file order."""
+        return self.objects[self.labels.name != "DontCare"]
 
 
 def _dontcare(bbox: np.ndarray) -> KittiLabels:
@@ -371,7 +381,7 @@ def label_frame(
     labels, keep = labels.select(order), keep[order]
     care = np.asarray(care, np.int64)
     labels = _concat(labels, _dontcare(bbox[care] if len(care) else np.zeros((0, 4))))
-    return FrameLabels(labels, np.concatenate([keep, np.full(len(care), -1, np.int64)]))
+    return FrameLabels(labels, np.concatenate([keep, care]))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -6,13 +6,15 @@ heading offset ``Street.yaw``. The ground is a gently sloped plane ``z = -sensor
 
 Cross-section of the main street, right to left (right-hand traffic):
 ``yard | sidewalk | kerb | parking lane? | forward lanes | backward lanes | parking lane? | kerb | sidewalk
-| yard``, with buildings set back behind the sidewalks, trees and street lamps along the kerbs, and an
-optional cross street. Cars park along the kerbs and drive in the lanes (and on the cross street),
-pedestrians walk on the sidewalks or cross the road, cyclists ride near the kerb.
+| yard``, with buildings set back behind the sidewalks, trees, street lamps and signs along the kerbs,
+and an optional cross street (sometimes a T-junction: the main street ends there, buildings across).
+Cars, vans, trucks and trailers park along the kerbs and drive in the lanes (and on the cross street),
+pedestrians walk on the sidewalks or cross the road, cyclists ride near the kerbs. Objects do not
+overlap (axis-aligned footprints in the street frame are kept apart).
 
 Every dynamic object has a 3D box in the LiDAR frame that is the tight bounding box of its mesh, and whose
 KITTI label values (camera-frame bottom centre, dimensions, rotation_y) are exact multiples of 0.01, so the
-2-decimal label files describe the meshes exactly (see :func:`quantize_box`).
+2-decimal label files describe the meshes exactly (see :func:`quantize_boxes`).
 """
 
 from __future__ import annotations
