@@ -136,22 +136,21 @@ def scan(scene: Scene, spec: LidarSpec, rng: np.random.Generator) -> Scan:
     hit = (prim >= 0) & (t <= spec.max_range)
     idx = np.flatnonzero(hit)
     t, prim, d = t[idx], prim[idx], dirs[idx]
-    p = d * t[:, None]
     mat = scene.tri_material[prim]
     albedo = scene.tri_albedo[prim].astype(np.float64)
     # Painted road markings and dark windows, decided where the ray lands.
     st = scene.street
-    uv = st.to_street(p[:, :2])
-    road = mat == Material.ASPHALT
-    if road.any():
-        painted = st.painted(uv[road, 0], uv[road, 1])
-        albedo[np.flatnonzero(road)[painted]] = 0.9
-    facade = mat == Material.FACADE
-    if facade.any():
+    road = np.flatnonzero(mat == Material.ASPHALT)
+    if len(road):
+        uv = st.to_street(d[road, :2] * t[road, None])
+        albedo[road[st.painted(uv[:, 0], uv[:, 1])]] = 0.9
+    facade = np.flatnonzero(mat == Material.FACADE)
+    if len(facade):
+        p = d[facade] * t[facade, None]
+        uv = st.to_street(p[:, :2])
         n_uv = st.to_street(scene.normals(prim[facade])[:, :2])
-        height = p[facade, 2] - st.ground_z(uv[facade, 0], uv[facade, 1])
-        win = st.window(uv[facade, 0], uv[facade, 1], height, n_uv)
-        albedo[np.flatnonzero(facade)[win]] = 0.06
+        win = st.window(uv[:, 0], uv[:, 1], p[:, 2] - st.ground_z(uv[:, 0], uv[:, 1]), n_uv)
+        albedo[facade[win]] = 0.06
     cos_inc = np.abs(np.einsum("ij,ij->i", scene.normals(prim), d))
     # Returns with too little signal are lost; a few more at random (glass: many).
     signal = albedo * cos_inc * (20.0 / np.maximum(t, 1.0)) ** 2

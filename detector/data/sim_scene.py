@@ -365,7 +365,7 @@ def _sample_street(rng: np.random.Generator) -> Street:
     return Street(
         yaw=float(np.clip(rng.normal(0.0, 0.03), -0.1, 0.1)),
         sensor_height=float(rng.uniform(1.70, 1.76)),
-        slope=(float(rng.uniform(-0.02, 0.02)), float(rng.uniform(-0.01, 0.01))),
+        slope=(float(rng.uniform(-0.012, 0.012)), float(rng.uniform(-0.006, 0.006))),
         kerb_right=v_edge - park_r,
         kerb_left=v_top + park_l,
         kerb_height=float(rng.uniform(0.10, 0.16)),
