@@ -25,14 +25,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from detector.data.gt_database import GtDatabase
 from detector.data.kitti import RoadMap
 from detector.data.structures import Boxes3D, Frame, wrap_angle
+
+if TYPE_CHECKING:  # pragma: no cover
+    from detector.data.gt_database import GtDatabase
 
 
 # --------------------------------------------------------------------------------------------------
@@ -69,6 +71,36 @@ def bev_boxes_overlap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def _rotate_xy(xy: np.ndarray, angle: float) -> np.ndarray:
     c, s = math.cos(angle), math.sin(angle)
     return np.stack([c * xy[..., 0] - s * xy[..., 1], s * xy[..., 0] + c * xy[..., 1]], axis=-1)
+
+
+def points_in_boxes_sparse(points: np.ndarray, boxes: Boxes3D) -> list[np.ndarray]:
+    """Per box, the sorted indices of the ``points`` [M, >=3] inside it, with exactly the semantics (and
+    arithmetic) of ``Boxes3D.points_in_boxes`` (margin 0), without the dense [M, N] test: each box only
+    tests the points of its (padded) BEV bounding box, found in the x-sorted points."""
+    n = len(boxes)
+    if n == 0:
+        return []
+    order = np.argsort(points[:, 0], kind="stable")
+    xs = points[order, 0]
+    corners = boxes.bev_corners().detach().cpu().double().numpy()  # [N, 4, 2]
+    pad = 1e-3  # beyond any float32 rounding of the exact test
+    lo, hi = corners.min(axis=1) - pad, corners.max(axis=1) + pad
+    out = []
+    for j in range(n):
+        cand = order[np.searchsorted(xs, lo[j, 0], "left"): np.searchsorted(xs, hi[j, 0], "right")]
+        y = points[cand, 1]
+        cand = cand[(y >= lo[j, 1]) & (y <= hi[j, 1])]
+        if len(cand):
+            cand = cand[boxes[j].points_in_boxes(points[cand]).numpy()[:, 0]]
+        out.append(np.sort(cand))
+    return out
+
+
+def _any_box(n_points: int, members: list[np.ndarray]) -> np.ndarray:
+    hit = np.zeros(n_points, dtype=bool)
+    for idx in members:
+        hit[idx] = True
+    return hit
 
 
 def _boxes_like(t64: torch.Tensor, like: Boxes3D) -> Boxes3D:
@@ -143,14 +175,21 @@ def _check_prob(name: str, p: float) -> None:
         raise ValueError(f"{name} must be a probability in [0, 1], got {p!r}")
 
 
-@dataclass(frozen=True)
-class GlobalFlip:
+class _Op:
+    """Ops are plain classes (not dataclasses: Hydra would turn instantiated dataclasses inside a list
+    into DictConfigs)."""
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({args})"
+
+
+class GlobalFlip(_Op):
     """With probability ``prob``, mirror about the x axis: y → −y, yaw → −yaw (the KITTI left/right flip)."""
 
-    prob: float = 0.5
-
-    def __post_init__(self):
-        _check_prob("GlobalFlip.prob", self.prob)
+    def __init__(self, prob: float = 0.5):
+        _check_prob("GlobalFlip.prob", prob)
+        self.prob = float(prob)
 
     def __call__(self, frame: Frame, rng: np.random.Generator) -> Frame:
         if rng.random() >= self.prob:
@@ -161,15 +200,13 @@ class GlobalFlip:
         return _replace(frame, points=pts, gt_boxes=frame.gt_boxes.flip_y(), road_map=road)
 
 
-@dataclass(frozen=True)
-class GlobalRotation:
+class GlobalRotation(_Op):
     """Rotate the scene about the LiDAR z axis by an angle drawn uniformly in [−max_angle, max_angle]."""
 
-    max_angle: float = math.pi / 4
-
-    def __post_init__(self):
-        if not (math.isfinite(self.max_angle) and self.max_angle >= 0):
-            raise ValueError(f"GlobalRotation.max_angle must be >= 0 radians, got {self.max_angle!r}")
+    def __init__(self, max_angle: float = math.pi / 4):
+        if not (math.isfinite(float(max_angle)) and float(max_angle) >= 0):
+            raise ValueError(f"GlobalRotation.max_angle must be >= 0 radians, got {max_angle!r}")
+        self.max_angle = float(max_angle)
 
     def __call__(self, frame: Frame, rng: np.random.Generator) -> Frame:
         angle = float(rng.uniform(-self.max_angle, self.max_angle))
@@ -180,18 +217,14 @@ class GlobalRotation:
         return _replace(frame, points=pts, gt_boxes=boxes, road_map=road)
 
 
-@dataclass(frozen=True)
-class GlobalScaling:
+class GlobalScaling(_Op):
     """Scale the scene about the LiDAR origin by a factor drawn uniformly in [min_scale, max_scale]."""
 
-    min_scale: float = 0.95
-    max_scale: float = 1.05
-
-    def __post_init__(self):
-        if not (0 < self.min_scale <= self.max_scale and math.isfinite(self.max_scale)):
-            raise ValueError(
-                f"GlobalScaling needs 0 < min_scale <= max_scale, got {self.min_scale!r}, {self.max_scale!r}"
-            )
+    def __init__(self, min_scale: float = 0.95, max_scale: float = 1.05):
+        if not (0 < float(min_scale) <= float(max_scale) and math.isfinite(float(max_scale))):
+            raise ValueError(f"GlobalScaling needs 0 < min_scale <= max_scale: {min_scale!r}, {max_scale!r}")
+        self.min_scale = float(min_scale)
+        self.max_scale = float(max_scale)
 
     def __call__(self, frame: Frame, rng: np.random.Generator) -> Frame:
         s = float(rng.uniform(self.min_scale, self.max_scale))
@@ -205,26 +238,29 @@ class GlobalScaling:
 # --------------------------------------------------------------------------------------------------
 # Per-object noise
 # --------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ObjectNoise:
+class ObjectNoise(_Op):
     """Move each object (box and points) by a translation ~ N(0, translation_std) per axis and a rotation
     about its centre ~ U(−max_rotation, max_rotation); the first of ``num_tries`` draws whose BEV box
     collides with no other box is applied, else the object stays. Applied to each object with
     probability ``prob``."""
 
-    translation_std: tuple[float, float, float] = (0.25, 0.25, 0.25)
-    max_rotation: float = math.pi / 20
-    num_tries: int = 10
-    prob: float = 1.0
-
-    def __post_init__(self):
-        _check_prob("ObjectNoise.prob", self.prob)
-        std = tuple(float(v) for v in self.translation_std)
+    def __init__(
+        self,
+        translation_std: Sequence[float] = (0.25, 0.25, 0.25),
+        max_rotation: float = math.pi / 20,
+        num_tries: int = 10,
+        prob: float = 1.0,
+    ):
+        _check_prob("ObjectNoise.prob", prob)
+        std = tuple(float(v) for v in translation_std)
         if len(std) != 3 or any(not (math.isfinite(v) and v >= 0) for v in std):
             raise ValueError(f"ObjectNoise.translation_std must be 3 values >= 0, got {std!r}")
-        object.__setattr__(self, "translation_std", std)
-        if not (math.isfinite(self.max_rotation) and self.max_rotation >= 0) or int(self.num_tries) < 1:
+        if not (math.isfinite(float(max_rotation)) and float(max_rotation) >= 0) or int(num_tries) < 1:
             raise ValueError("ObjectNoise needs max_rotation >= 0 and num_tries >= 1")
+        self.translation_std = std
+        self.max_rotation = float(max_rotation)
+        self.num_tries = int(num_tries)
+        self.prob = float(prob)
 
     def __call__(self, frame: Frame, rng: np.random.Generator) -> Frame:
         n = len(frame.gt_boxes)
@@ -232,13 +268,14 @@ class ObjectNoise:
             return frame
         boxes = frame.gt_boxes.tensor.detach().cpu().double().numpy().copy()  # [N, 7]
         pts = frame.points.astype(np.float64)
-        inside = frame.gt_boxes.points_in_boxes(frame.points).numpy()  # [M, N]
-        owner = np.where(inside.any(axis=1), inside.argmax(axis=1), -1)
-        shared = (inside.sum(axis=1) > 1)
+        members = points_in_boxes_sparse(frame.points, frame.gt_boxes)
+        count = np.zeros(len(pts), dtype=np.int64)
+        for idx in members:
+            count[idx] += 1
         overlap = bev_boxes_overlap(boxes[:, [0, 1, 3, 4, 6]], boxes[:, [0, 1, 3, 4, 6]])
         np.fill_diagonal(overlap, False)
-        movable = ~overlap.any(axis=1)
-        movable[np.unique(np.nonzero(inside[shared])[1])] = False
+        # An object sharing points with another box stays put (its points are not only its own).
+        movable = ~overlap.any(axis=1) & np.array([not (count[idx] > 1).any() for idx in members])
         # Draw everything up front (one fixed number of draws per object keeps the stream reproducible).
         apply = rng.random(n) < self.prob
         shift = rng.normal(0.0, 1.0, size=(n, self.num_tries, 3)) * np.asarray(self.translation_std)
@@ -253,7 +290,7 @@ class ObjectNoise:
             if hit.all():
                 continue
             k = int(np.argmin(hit))  # first collision-free draw
-            sel = owner == i
+            sel = members[i]
             local = pts[sel, :2] - boxes[i, :2]
             pts[sel, :2] = _rotate_xy(local, float(turn[i, k])) + cand[k, :2]
             pts[sel, 2] += shift[i, k, 2]
@@ -264,11 +301,8 @@ class ObjectNoise:
         new_boxes = _boxes_like(torch.from_numpy(boxes), frame.gt_boxes)
         if moved.any():
             # Background points now inside a moved box would become part of the object: drop them.
-            bg = owner < 0
             moved_boxes = new_boxes[torch.from_numpy(np.flatnonzero(moved))]
-            hit = moved_boxes.points_in_boxes(out_pts[bg]).numpy().any(axis=1)
-            drop = np.zeros(len(out_pts), dtype=bool)
-            drop[np.flatnonzero(bg)[hit]] = True
+            drop = _any_box(len(out_pts), points_in_boxes_sparse(out_pts, moved_boxes)) & (count == 0)
             out_pts = out_pts[~drop]
         return _replace(frame, points=out_pts, gt_boxes=new_boxes)
 
@@ -276,7 +310,7 @@ class ObjectNoise:
 # --------------------------------------------------------------------------------------------------
 # Ground-truth sampling
 # --------------------------------------------------------------------------------------------------
-class GtSampling:
+class GtSampling(_Op):
     """Paste up to ``counts[class]`` database objects per class into each frame.
 
     Candidates: database objects of the class with at least ``min_points`` points and (when
@@ -339,7 +373,7 @@ class GtSampling:
             return frame
         idx = np.asarray(chosen)
         pasted = Boxes3D(torch.from_numpy(db.boxes[idx]).to(frame.gt_boxes.tensor.dtype))
-        keep = ~pasted.points_in_boxes(frame.points).numpy().any(axis=1)
+        keep = ~_any_box(len(frame.points), points_in_boxes_sparse(frame.points, pasted))
         obj_pts = np.concatenate([db.object_points(int(k)) for k in idx])
         points = np.concatenate([frame.points[keep], obj_pts]).astype(np.float32)
         boxes = Boxes3D.cat([frame.gt_boxes, pasted])

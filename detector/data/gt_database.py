@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from detector.data.augment import points_in_boxes_sparse
 from detector.data.kitti import KittiLabels, KittiRoot
 
 _VERSION = "gtdb-1"
@@ -76,11 +77,9 @@ class GtDatabase:
             if not keep.any():
                 continue
             b = f.gt_boxes[torch.from_numpy(np.flatnonzero(keep))]
-            inside = b.points_in_boxes(f.points).numpy()  # [M, n]
-            for j in range(len(b)):
-                p = f.points[inside[:, j]]
-                pts.append(p)
-                counts.append(len(p))
+            for idx in points_in_boxes_sparse(f.points, b):
+                pts.append(f.points[idx])
+                counts.append(len(idx))
             boxes.append(b.numpy().astype(np.float32))
             names.append(f.gt_names[keep])
             diff.append(kitti_difficulty(labels)[keep])

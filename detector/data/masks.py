@@ -268,15 +268,16 @@ class GroundMask:
 
     def frame_ground_cells(self, xyz: np.ndarray, grid: BevGrid) -> torch.Tensor | None:
         """[H, W] bool: cells holding ground points (before morphology); None → fallback."""
+        (x0, x1), (y0, y1) = grid.x_range, grid.y_range
+        x, y = xyz[:, 0], xyz[:, 1]
+        xyz = xyz[(x >= x0) & (x < x1) & (y >= y0) & (y < y1)]  # = the grid's half-open cells
         rows, cols = grid.world_to_cell(torch.from_numpy(xyz[:, 0]), torch.from_numpy(xyz[:, 1]))
-        inside = grid.in_grid(rows, cols).numpy()
-        xyz, rows, cols = xyz[inside], rows[inside], cols[inside]
         fit = self.fit_planes(xyz)
         if fit is None:
             return None
         planes, zone = fit
-        p = planes[zone]
-        height = (xyz * p[:, :3]).sum(axis=1) + p[:, 3]  # signed height above the ring's plane
+        # Signed height above the point's ring plane.
+        height = np.take_along_axis(xyz @ planes[:, :3].T + planes[:, 3], zone[:, None], axis=1)[:, 0]
         ground = torch.from_numpy(np.abs(height) <= self.distance_threshold)
         flat = rows * grid.W + cols
         cells = torch.zeros(grid.H * grid.W, dtype=torch.bool)
