@@ -322,7 +322,9 @@ def write_root(tmp_path, n_frames: int = 3):
     for k in range(n_frames):
         fid = f"{k:06d}"
         f = make_scene(400 + k, n_boxes=5, frame_id=fid)
-        write_points(tmp_path / "training" / "velodyne" / f"{fid}.bin", f.points)
+        pts = f.points.copy()
+        pts[:, 3] += 1_000_000 * (k + 1)  # point ids distinct from make_scene's other frames
+        write_points(tmp_path / "training" / "velodyne" / f"{fid}.bin", pts)
         labels = boxes_to_labels(f.gt_boxes, f.gt_names, calib)
         write_label(tmp_path / "training" / "label_2" / f"{fid}.txt", labels)
         calib.to_file(tmp_path / "training" / "calib" / f"{fid}.txt")
@@ -389,3 +391,51 @@ def test_real_kitti_gt_sampling(kitti_real, tmp_path):
     before = frame.gt_boxes.points_in_boxes(frame.points).numpy().sum(0)
     after = out.gt_boxes.points_in_boxes(out.points, margin=FLOAT32_TOL).numpy().sum(0)
     assert (after[: len(before)] >= before).all()
+
+
+def test_points_in_boxes_sparse_equals_dense():
+    from detector.data.augment import points_in_boxes_sparse
+
+    frame = make_scene(11, n_boxes=8)
+    # Add points exactly on box faces and corners (the borderline cases).
+    corners = frame.gt_boxes.corners().reshape(-1, 3).numpy()
+    centres = frame.gt_boxes.center.numpy()
+    face = centres.copy()
+    face[:, 2] += frame.gt_boxes.dims[:, 2].numpy() / 2
+    extra = np.concatenate([corners, face])
+    pts = np.concatenate([frame.points, np.column_stack([extra, np.zeros(len(extra))])]).astype(np.float32)
+    dense = frame.gt_boxes.points_in_boxes(pts).numpy()
+    sparse = points_in_boxes_sparse(pts, frame.gt_boxes)
+    for j in range(len(frame.gt_boxes)):
+        np.testing.assert_array_equal(sparse[j], np.flatnonzero(dense[:, j]))
+    assert points_in_boxes_sparse(pts, Boxes3D.empty()) == []
+
+
+@pytest.mark.parametrize("convert", [None, "object"])
+def test_augmentor_from_hydra_config(tmp_path, convert):
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    write_root(tmp_path)
+    cfg = {
+        "_target_": "detector.data.augment.Augmentor",
+        "ops": [
+            {"_target_": "detector.data.augment.GtSampling",
+             "database": {"_target_": "detector.data.gt_database.GtDatabase.load_or_build",
+                          "root": str(tmp_path), "split": "train"},
+             "counts": {"Car": 4}, "min_points": 5, "max_difficulty": None},
+            {"_target_": "detector.data.augment.ObjectNoise", "translation_std": [0.2, 0.2, 0.1]},
+            {"_target_": "detector.data.augment.GlobalFlip", "prob": 0.5},
+            {"_target_": "detector.data.augment.GlobalRotation", "max_angle": 0.3},
+            {"_target_": "detector.data.augment.GlobalScaling", "min_scale": 0.9, "max_scale": 1.1},
+        ],
+    }
+    if convert:
+        cfg["_convert_"] = convert
+    aug = instantiate(OmegaConf.create(cfg))
+    assert [type(op).__name__ for op in aug.ops] == [
+        "GtSampling", "ObjectNoise", "GlobalFlip", "GlobalRotation", "GlobalScaling"]
+    assert aug.ops[1].translation_std == (0.2, 0.2, 0.1)
+    frame = make_scene(9, frame_id="000099")
+    out = aug(frame, np.random.default_rng(0))
+    check_points_stay_in_boxes(frame, out, len(frame.gt_boxes))
