@@ -35,7 +35,9 @@ One frame (:func:`simulate_frame`):
 
 Determinism: every random draw of frame ``i`` comes from ``numpy.random.SeedSequence(seed,
 spawn_key=(i,))`` and the ray casting is single-threaded, so a frame's files are byte-identical whatever
-the number of worker processes (:func:`generate_dataset`).
+the number of worker processes (:func:`generate_dataset`) and whatever the number of frames generated,
+given the same library versions and CPU type (Embree's float results may differ in the last bits between
+CPU instruction sets).
 """
 
 from __future__ import annotations
