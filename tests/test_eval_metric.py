@@ -452,3 +452,15 @@ def test_fast_evaluator_equals_the_literal_reference_everywhere(seed, crowded):
         (c, m, li) for c in ("Car", "Pedestrian", "Cyclist") for m in ("2d", "bev", "3d") for li in range(6)
     ]
     _compare_with_reference(gt, dt, combos)
+
+
+def test_chunked_second_pass_gives_the_same_counts(monkeypatch):
+    import detector.eval.matching as matching
+
+    gt, dt = synthetic_set(8, dets_per_frame=30, seed=5, crowded=True)
+    whole = evaluate(gt, dt)
+    monkeypatch.setattr(matching._chunks, "__defaults__", (1,))  # one component per chunk
+    chunked = evaluate(gt, dt)
+    np.testing.assert_array_equal(whole.curves[:, :3], chunked.curves[:, :3])  # precision: same counts
+    np.testing.assert_array_equal(whole.distance_curves[:, :3], chunked.distance_curves[:, :3])
+    np.testing.assert_allclose(whole.curves[:, 3], chunked.curves[:, 3], rtol=0, atol=1e-12)  # AOS sums

@@ -180,18 +180,26 @@ def bev_intersection_paired(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     if P == 0:
         return out
     idx = np.flatnonzero(bev_may_intersect(a, b))
-    if idx.size == 0:
-        return out
-    ca, cb = rect_corners(a[idx]), rect_corners(b[idx])
-    x, y, n = ca[..., 0], ca[..., 1], np.full(idx.size, 4)
+    for s in range(0, idx.size, _CHUNK):  # bounded memory for any number of pairs
+        sub = idx[s : s + _CHUNK]
+        out[sub] = _clipped_area(a[sub], b[sub])
+    return out
+
+
+_CHUNK = 1 << 17
+
+
+def _clipped_area(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Area of rectangle a[i] clipped to rectangle b[i] (Sutherland–Hodgman, boundary inclusive)."""
+    ca, cb = rect_corners(a), rect_corners(b)
+    x, y, n = ca[..., 0], ca[..., 1], np.full(a.shape[0], 4)
     bx, by = cb[..., 0], cb[..., 1]
     for k in range(4):
         k1 = (k + 1) % 4
         x, y, n = _clip(x, y, n, bx[:, k], by[:, k], bx[:, k1] - bx[:, k], by[:, k1] - by[:, k])
         if x.shape[1] == 0:
-            return out
-    out[idx] = np.maximum(_polygon_area(x, y), 0.0)
-    return out
+            return np.zeros(a.shape[0])
+    return np.maximum(_polygon_area(x, y), 0.0)
 
 
 def _all_pairs(fn, a: np.ndarray, b: np.ndarray) -> np.ndarray:

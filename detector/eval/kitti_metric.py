@@ -20,9 +20,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from detector.data.kitti import KittiLabels
-from detector.eval.iou import bev_may_intersect, box2d_overlap_paired
+from detector.eval.iou import box2d_overlap_paired
 from detector.eval.matching import LevelCounts, build_graph, match_level
-from detector.eval.overlap import Records, bev_intersection_records, overlap_from_intersection
+from detector.eval.overlap import (
+    Records,
+    aabb_intersection,
+    bev_intersection_records,
+    overlap_from_intersection,
+)
 from detector.eval.protocol import (
     CLASSES,
     DISTANCE_RANGES,
@@ -307,44 +312,22 @@ def evaluate(
     for c, cls in enumerate(classes):
         ts = time.perf_counter()
         cd = _class_data(cls, G, D, max_min_height, d_height)
-        gi, di = cd.gt[cd.pair_gt], cd.det[cd.pair_det]
-        dpos, dcg = cd.dc_pairs
         t_prep += time.perf_counter() - ts
 
-        # Overlaps of the candidate pairs and DontCare tests, per matching metric: (pair subset, overlap).
         ts = time.perf_counter()
-        pair_ov: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        in_dc: dict[str, np.ndarray] = {}
-        if "2d" in match_metrics:
-            ov = box2d_overlap_paired(D.bbox[di], G.bbox[gi])
-            hit = np.flatnonzero(ov > overlaps[cls])
-            pair_ov["2d"] = (hit, ov[hit])
-            dc_ov = box2d_overlap_paired(D.bbox[cd.det[dpos]], G.bbox[dcg], "a")
-            in_dc["2d"] = _any_at(dpos[dc_ov > overlaps[cls]], cd.det.size)
-        geo = [m for m in ("bev", "3d") if m in match_metrics]
-        if geo:
-            near = np.flatnonzero(bev_may_intersect(D.bev[di], G.bev[gi]))
-            dn, gn = di[near], gi[near]
-            inter = bev_intersection_records(D, dn, G, gn)
-            dc_near = np.flatnonzero(bev_may_intersect(D.bev[cd.det[dpos]], G.bev[dcg]))
-            dcd, dcn = cd.det[dpos[dc_near]], dcg[dc_near]
-            dc_inter = bev_intersection_records(D, dcd, G, dcn)
-            for m in geo:
-                ov = overlap_from_intersection(m, D, dn, G, gn, inter)
-                hit = ov > overlaps[cls]
-                pair_ov[m] = (near[hit], ov[hit])
-                dc_ov = overlap_from_intersection(m, D, dcd, G, dcn, dc_inter, "a")
-                in_dc[m] = _any_at(dpos[dc_near[dc_ov > overlaps[cls]]], cd.det.size)
+        edges = _edges(cd, G, D, match_metrics, overlaps[cls])
         t_overlap += time.perf_counter() - ts
 
         ts = time.perf_counter()
         g_alpha, d_alpha, d_score = G.alpha[cd.gt], D.alpha[cd.det], D.score[cd.det]
         states = [_states(lv, cd, G, g_height, g_dist, d_height, d_dist) for lv in all_levels]
         for mm in match_metrics:
-            sub, ov = pair_ov[mm]
-            graph = build_graph(cd.pair_gt[sub], cd.pair_det[sub], ov, overlaps[cls], cd.gt.size, cd.det.size)
+            e = edges[mm]
+            graph = build_graph(
+                cd.pair_gt[e.pairs], cd.pair_det[e.pairs], e.overlap, overlaps[cls], cd.gt.size, cd.det.size
+            )
             for li, (gs, ds) in enumerate(states):
-                counts = match_level(graph, gs, ds, d_score, in_dc[mm], g_alpha, d_alpha)
+                counts = match_level(graph, gs, ds, d_score, e.in_dontcare, g_alpha, d_alpha)
                 _store(counts, mm, metrics, c, li, len(levels), curves, num_gt, dcurves, dnum_gt)
         t_match += time.perf_counter() - ts
 
@@ -364,6 +347,56 @@ def evaluate(
         dcurves,
         dnum_gt,
     )
+
+
+@dataclass
+class _Edges:
+    """One metric's overlaps for one class: ``pairs`` (positions in the class's candidate pair list) whose
+    overlap exceeds the minimum, their ``overlap``, and ``in_dontcare`` per detection candidate."""
+
+    pairs: np.ndarray
+    overlap: np.ndarray
+    in_dontcare: np.ndarray
+
+
+def _edges(
+    cd: _ClassData, G: Records, D: Records, metrics: Sequence[str], min_ov: float
+) -> dict[str, _Edges]:
+    """Overlaps of the class's candidate pairs and its detections' DontCare tests, per matching metric."""
+    gi, di = cd.gt[cd.pair_gt], cd.det[cd.pair_det]
+    dpos, dcg = cd.dc_pairs  # (positions in cd.det, global DontCare index)
+    out = {}
+    if "2d" in metrics:
+        ov = box2d_overlap_paired(D.bbox[di], G.bbox[gi])
+        hit = np.flatnonzero(ov > min_ov)
+        dc_ov = box2d_overlap_paired(D.bbox[cd.det[dpos]], G.bbox[dcg], "a")
+        out["2d"] = _Edges(hit, ov[hit], _any_at(dpos[dc_ov > min_ov], cd.det.size))
+    geo = [m for m in ("bev", "3d") if m in metrics]
+    if not geo:
+        return out
+    # Exact clipping only for pairs whose cheap upper bound (axis-aligned bounds) can exceed the minimum
+    # overlap; the slack keeps rounding in the bound from dropping a pair at the boundary.
+    floor = min_ov - 1e-9
+    bound = aabb_intersection(D, di, G, gi)
+    sub = np.flatnonzero(bound > 0)
+    keep = np.zeros(sub.size, bool)
+    for m in geo:
+        keep |= overlap_from_intersection(m, D, di[sub], G, gi[sub], bound[sub]) > floor
+    near = sub[keep]
+    inter = bev_intersection_records(D, di[near], G, gi[near])
+    dc_det = cd.det[dpos]
+    bound = aabb_intersection(D, dc_det, G, dcg)
+    keep = np.zeros(dpos.size, bool)
+    for m in geo:
+        keep |= overlap_from_intersection(m, D, dc_det, G, dcg, bound, "a") > floor
+    dc_near = np.flatnonzero(keep)
+    dc_inter = bev_intersection_records(D, dc_det[dc_near], G, dcg[dc_near])
+    for m in geo:
+        ov = overlap_from_intersection(m, D, di[near], G, gi[near], inter)
+        hit = ov > min_ov
+        dc_ov = overlap_from_intersection(m, D, dc_det[dc_near], G, dcg[dc_near], dc_inter, "a")
+        out[m] = _Edges(near[hit], ov[hit], _any_at(dpos[dc_near[dc_ov > min_ov]], cd.det.size))
+    return out
 
 
 def _any_at(pos: np.ndarray, n: np.ndarray | int) -> np.ndarray:

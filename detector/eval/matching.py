@@ -232,36 +232,62 @@ def match_level(
 
     # Pass 2 on the other components, all thresholds at once: each GT takes the unassigned counted
     # candidate with the largest overlap, else the first ignored one.
-    for b, ig, idt, score in views:
-        C, Gp, Dp = b.edge.shape
-        below = score[:, None, :] < thr[None, :, None]  # [C, T, Dp]
-        assigned = np.zeros((C, T, Dp), bool)
-        galpha = _take(gt_alpha, b.gt, 0.0)
-        dalpha = _take(det_alpha, b.det, 0.0)
-        counted_det = (idt == 0)[:, None, :]
-        ignored_det = (idt == 1)[:, None, :]
-        ci, ti = np.meshgrid(np.arange(C), np.arange(T), indexing="ij")
-        for g in range(Gp):
-            state = ig[:, g][:, None]  # [C, 1]
-            free = b.edge[:, g, :][:, None, :] & ~assigned & ~below
-            cand_v = free & counted_det
-            cand_i = free & ignored_det
-            has_v = cand_v.any(axis=2)
-            has_i = cand_i.any(axis=2)
-            jv = np.argmax(np.where(cand_v, b.overlap[:, g, :][:, None, :], -np.inf), axis=2)
-            ji = np.argmax(cand_i, axis=2)
-            j = np.where(has_v, jv, ji)
-            has = (has_v | has_i) & (state >= 0)
-            tp = has_v & (state == 0)
-            fn = ~(has_v | has_i) & (state == 0)
-            assigned[ci[has], ti[has], j[has]] = True
-            tp_t += tp.sum(axis=0)
-            fn_t += fn.sum(axis=0)
-            if tp.any():
-                delta = galpha[:, g][:, None] - dalpha[ci, j]
-                sim_t += np.where(tp, (1.0 + np.cos(delta)) / 2.0, 0.0).sum(axis=0)
-        in_dc = _take(det_in_dontcare, b.det, False)
-        fp = counted_det & ~assigned & ~below & ~in_dc[:, None, :]
-        fp_t += fp.sum(axis=(0, 2))
+    for chunk in _chunks(views, T):
+        tp_c, fp_c, fn_c, sim_c = _pass2(*chunk, thr, gt_alpha, det_alpha, det_in_dontcare)
+        tp_t += tp_c
+        fp_t += fp_c
+        fn_t += fn_c
+        sim_t += sim_c
     assert T <= N_SAMPLE_PTS
     return LevelCounts(thr, tp_t, fp_t, fn_t, sim_t, n_gt)
+
+
+def _chunks(views, T: int, budget: int = 1 << 22):
+    """Split the buckets' components into chunks of at most ``budget`` [component, threshold, detection]
+    cells, so memory stays bounded however crowded the frames are."""
+    for b, ig, idt, score in views:
+        C, Gp, Dp = b.edge.shape
+        step = max(1, budget // (T * Dp))
+        for s in range(0, C, step):
+            sl = slice(s, s + step)
+            yield _Bucket(b.gt[sl], b.det[sl], b.edge[sl], b.overlap[sl]), ig[sl], idt[sl], score[sl]
+
+
+def _pass2(b: _Bucket, ig, idt, score, thr, gt_alpha, det_alpha, det_in_dontcare):
+    """Second pass over padded components for all thresholds: (tp, fp, fn, similarity) per threshold."""
+    T = thr.size
+    tp_t = np.zeros(T, np.int64)
+    fp_t = np.zeros(T, np.int64)
+    fn_t = np.zeros(T, np.int64)
+    sim_t = np.zeros(T)
+    C, Gp, Dp = b.edge.shape
+    below = score[:, None, :] < thr[None, :, None]  # [C, T, Dp]
+    assigned = np.zeros((C, T, Dp), bool)
+    galpha = _take(gt_alpha, b.gt, 0.0)
+    dalpha = _take(det_alpha, b.det, 0.0)
+    counted_det = (idt == 0)[:, None, :]
+    ignored_det = (idt == 1)[:, None, :]
+    ci, ti = np.meshgrid(np.arange(C), np.arange(T), indexing="ij")
+    for g in range(Gp):
+        state = ig[:, g][:, None]  # [C, 1]
+        free = b.edge[:, g, :][:, None, :] & ~assigned & ~below
+        cand_v = free & counted_det
+        cand_i = free & ignored_det
+        has_v = cand_v.any(axis=2)
+        has_i = cand_i.any(axis=2)
+        jv = np.argmax(np.where(cand_v, b.overlap[:, g, :][:, None, :], -np.inf), axis=2)
+        ji = np.argmax(cand_i, axis=2)
+        j = np.where(has_v, jv, ji)
+        has = (has_v | has_i) & (state >= 0)
+        tp = has_v & (state == 0)
+        fn = ~(has_v | has_i) & (state == 0)
+        assigned[ci[has], ti[has], j[has]] = True
+        tp_t += tp.sum(axis=0)
+        fn_t += fn.sum(axis=0)
+        if tp.any():
+            delta = galpha[:, g][:, None] - dalpha[ci, j]
+            sim_t += np.where(tp, (1.0 + np.cos(delta)) / 2.0, 0.0).sum(axis=0)
+    in_dc = _take(det_in_dontcare, b.det, False)
+    fp = counted_det & ~assigned & ~below & ~in_dc[:, None, :]
+    fp_t += fp.sum(axis=(0, 2))
+    return tp_t, fp_t, fn_t, sim_t
