@@ -23,6 +23,10 @@ Written from the protocol of the KITTI devkit (``evaluate_object``), which defin
   41 sampled points (index i ~ recall i/40), zero beyond the last threshold. AP R40 = mean of points
   1..40, AP R11 = mean of points 0, 4, ..., 40 (the official metric before 2019). AOS uses the
   orientation similarity (1 + cos(Δalpha)) / 2 summed over TPs in place of TP (2D matching).
+
+Where the devkit leaves a case open we decide: a threshold with TP + FP = 0 has precision 0 (the devkit
+divides 0 by 0); a class with no counted GT (or no detections) gets AP 0 and is still reported (the devkit
+skips classes without detections); the number of counted GT is reported with the APs.
 """
 
 from __future__ import annotations
