@@ -50,7 +50,7 @@ import re
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -330,22 +330,11 @@ def _dontcare(bbox: np.ndarray) -> KittiLabels:
     )
 
 
+_LABEL_FIELDS = ("name", "truncated", "occluded", "alpha", "bbox", "dimensions", "location", "rotation_y")
+
+
 def _concat(a: KittiLabels, b: KittiLabels) -> KittiLabels:
-    return KittiLabels(
-        *(
-            np.concatenate([getattr(a, k), getattr(b, k)])
-            for k in (
-                "name",
-                "truncated",
-                "occluded",
-                "alpha",
-                "bbox",
-                "dimensions",
-                "location",
-                "rotation_y",
-            )
-        )
-    )
+    return KittiLabels(*(np.concatenate([getattr(a, k), getattr(b, k)]) for k in _LABEL_FIELDS))
 
 
 def label_frame(
@@ -389,6 +378,15 @@ def label_frame(
 # Frames and datasets
 # --------------------------------------------------------------------------------------------------
 @dataclass
+class FrameTimings:
+    """Wall-clock seconds of the stages of :func:`simulate_frame`."""
+
+    scene_s: float  # calibration and scene
+    scan_s: float
+    labels_s: float  # labels and road map
+
+
+@dataclass
 class SimFrame:
     """Everything about one simulated frame (what is written, and the ground truth behind it)."""
 
@@ -398,7 +396,7 @@ class SimFrame:
     scan: Scan
     labels: FrameLabels
     road_map: RoadMap
-    timings: dict[str, float] = field(default_factory=dict)
+    timings: FrameTimings
 
 
 def frame_rng(seed: int, index: int) -> np.random.Generator:
@@ -408,7 +406,6 @@ def frame_rng(seed: int, index: int) -> np.random.Generator:
 
 def simulate_frame(seed: int, index: int, spec: LidarSpec = LidarSpec()) -> SimFrame:
     """Simulate frame ``index`` of the dataset with ``seed`` (see module doc)."""
-    tm = {}
     t0 = time.perf_counter()
     rng = frame_rng(seed, index)
     calib = make_calibration(rng)
@@ -419,8 +416,7 @@ def simulate_frame(seed: int, index: int, spec: LidarSpec = LidarSpec()) -> SimF
     labels = label_frame(scene, sweep, calib, rng)
     road = scene.street.road_map(**ROAD_MAP_GRID)
     t3 = time.perf_counter()
-    tm.update(scene_s=t1 - t0, scan_s=t2 - t1, labels_s=t3 - t2)
-    return SimFrame(index, calib, scene, sweep, labels, road, tm)
+    return SimFrame(index, calib, scene, sweep, labels, road, FrameTimings(t1 - t0, t2 - t1, t3 - t2))
 
 
 FRAME_DIRS = ("velodyne", "label_2", "calib", "road_map")
@@ -461,14 +457,17 @@ def _make_one(args: tuple[str, int, int, LidarSpec]) -> FrameStats:
     write_frame(root, frame)
     write_s = time.perf_counter() - t0
     counts = Counter(frame.labels.labels.name.tolist())
+    tm = frame.timings
     return FrameStats(
         index,
         len(frame.scan.points),
         frame.scan.rays,
         dict(counts),
-        write_s=write_s,
-        cpu_s=time.process_time() - cpu0,
-        **frame.timings,
+        tm.scene_s,
+        tm.scan_s,
+        tm.labels_s,
+        write_s,
+        time.process_time() - cpu0,
     )
 
 
