@@ -85,3 +85,36 @@ def test_nchw_maps_go_through_the_ops_and_give_channels_last_blocks():
     z = zeros_like_layout(x.contiguous(memory_format=CL), (2, 4, 5, 5))
     assert is_nhwc(z) and z.shape == (2, 4, 5, 5) and not z.any()
     assert not is_nhwc(zeros_like_layout(x, (2, 4, 5, 5)))
+
+
+@pytest.mark.parametrize("grad_layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("add", [False, True], ids=["write", "add"])
+def test_residual_blocks_equal_separate_gather_and_scatter(add, grad_layout):
+    """The fused residual gather/scatter: same values and gradients, and the output gradient untouched."""
+    from detector.nn.layout import ResidualBlocks
+
+    torch.manual_seed(0)
+    bp = calc_block_params(9, 7, bsize=6, ksize=5, stride=1, padding=2)
+    idx = random_indices(bp, 2, seed=2)
+    x = torch.randn(2, 3, 9, 7, dtype=torch.float64).contiguous(memory_format=CL).requires_grad_(True)
+    w = torch.randn(3, 3, 5, 5, dtype=torch.float64, requires_grad=True)
+
+    def fused():
+        rb = ResidualBlocks(x, idx, bp, bp)
+        return rb.scatter(torch.nn.functional.conv2d(rb.gather(), w), add)
+
+    def separate():
+        tiles = torch.nn.functional.conv2d(gather_blocks(x, idx, bp), w)
+        return scatter_blocks(tiles, idx, x, bp, add=add, inplace=False)
+
+    yf, ys = fused(), separate()
+    torch.testing.assert_close(yf, ys, atol=0, rtol=0)
+    v = torch.randn(yf.shape, dtype=torch.float64)
+    if grad_layout == "nhwc":
+        v = v.contiguous(memory_format=CL)
+    v0 = v.clone()
+    gf = torch.autograd.grad(yf, [x, w], v)
+    gs = torch.autograd.grad(ys, [x, w], v)
+    for a, b in zip(gf, gs, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+    assert torch.equal(v, v0)

@@ -361,8 +361,11 @@ def test_empty_mask(v):
 
 
 # -------------------------------------------------------------------------------- gradcheck
-@pytest.mark.parametrize("v", [(True, False, 2, True), (False, True, 1, False)], ids=vid)
-def test_gradcheck_whole_unit(v):
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(
+    "v", [(True, False, 2, True), (False, True, 1, False), (True, False, 1, False)], ids=vid
+)
+def test_gradcheck_whole_unit(v, layout):
     torch.manual_seed(0)
     b, p, s, proj = v
     u = (
@@ -381,7 +384,10 @@ def test_gradcheck_whole_unit(v):
     )
     h, w = 7, 6
     blocks = random_blocks(u, 1, h, w, frac=0.6, seed=3)
-    x = torch.randn(1, 3, h, w, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(1, 3, h, w, dtype=torch.float64)
+    if layout == "nhwc":
+        x = x.contiguous(memory_format=torch.channels_last)
+    x.requires_grad_(True)
     names = [n for n, _ in u.named_parameters()]
 
     def f(x_, *ps):
@@ -392,8 +398,9 @@ def test_gradcheck_whole_unit(v):
 
 
 # -------------------------------------------------------------------------------- determinism
-def test_deterministic_bit_identical():
-    v = (True, False, 2, True)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("v", [(True, False, 2, True), (False, False, 1, False)], ids=vid)
+def test_deterministic_bit_identical(v, layout):
     prev = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
@@ -401,7 +408,10 @@ def test_deterministic_bit_identical():
         for _ in range(2):
             u = make_unit(v, seed=11).float().train()
             torch.manual_seed(12)
-            x = torch.randn(N, 6, H, W, requires_grad=True)
+            x = torch.randn(N, 6, H, W)
+            if layout == "nhwc":
+                x = x.contiguous(memory_format=torch.channels_last)
+            x.requires_grad_(True)
             blocks = random_blocks(u, N, H, W, seed=13)
             y = u(x, blocks=blocks)
             y.backward(torch.ones_like(y))

@@ -53,7 +53,7 @@ from detector.ops.blocks import BlockParams
 from detector.ops.functional import reduce_mask, sparse_gather
 
 from .geometry import BlockSpan, ChainGeometry, ConvSpec, LevelMasks, chain_geometry, level_masks
-from .layout import gather_blocks, is_nhwc, scatter_blocks, zeros_like_layout
+from .layout import ResidualBlocks, gather_blocks, is_nhwc, scatter_blocks, zeros_like_layout
 from .norm import (
     Moments,
     check_count,
@@ -393,6 +393,13 @@ class SparseConvChain(nn.Module):
         grad = torch.is_grad_enabled()
 
         if len(idx_chunks) == 1:
+            if grad and self.shortcut == "identity" and is_nhwc(x):  # one map-sized gradient pass for x
+                residual = ResidualBlocks(x, idx, geo.block, geo.block)
+                tiles, new = self._run_blocks(residual.gather(), geo, masks[0], known, collect=False)
+                out = residual.scatter(tiles, add=add)
+                for j, m in new.items():
+                    update_running_stats(slots[j], m)
+                return out
             tiles, new = self._run_blocks(self._gather(x, idx, geo), geo, masks[0], known, collect=False)
             # in place (inference): into a fresh zero base, or into the caller's x when it gave it away
             write_in_place = not grad and (base is not x or inplace)

@@ -21,7 +21,7 @@ import torch
 from detector.ops.blocks import BlockParams
 from detector.ops.functional import sparse_gather, sparse_scatter, sparse_scatter_
 
-__all__ = ["is_nhwc", "gather_blocks", "scatter_blocks", "zeros_like_layout"]
+__all__ = ["is_nhwc", "gather_blocks", "scatter_blocks", "zeros_like_layout", "ResidualBlocks"]
 
 
 def is_nhwc(x: torch.Tensor) -> bool:
@@ -105,3 +105,123 @@ def scatter_blocks(
         return base
     out = view.index_add(0, flat, src) if add else view.index_copy(0, flat, src)
     return out.view(N, Ho, Wo, C).permute(0, 3, 1, 2)
+
+
+class _Link:
+    """Hands the output gradient from the residual scatter's backward to the gather's backward."""
+
+    def __init__(self) -> None:
+        self.grad_out: torch.Tensor | None = None
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``[N, C, H, W]`` as contiguous ``[N*H*W, C]`` rows (a view of a channels-last ``t``, else a copy)."""
+    n, c, h, w = t.shape
+    return t.permute(0, 2, 3, 1).contiguous().view(n * h * w, c)
+
+
+class _ResidualGather(torch.autograd.Function):
+    """Gather of NHWC blocks whose backward also carries the residual scatter's gradient into ``x``."""
+
+    @staticmethod
+    def forward(ctx, x, flat, valid, bsize, link):  # noqa: ANN001, ANN205 - autograd.Function protocol
+        n, c, h, w = x.shape
+        rows = _rows(x).index_select(0, flat).view(-1, bsize[0], bsize[1], c)
+        if valid is not None:
+            rows.mul_(valid)
+        ctx.save_for_backward(flat, valid)
+        ctx.shape, ctx.link = (n, c, h, w), link
+        return rows.permute(0, 3, 1, 2)
+
+    @staticmethod
+    def backward(ctx, grad_blocks):  # noqa: ANN001, ANN205
+        flat, valid = ctx.saved_tensors
+        n, c, h, w = ctx.shape
+        g = grad_blocks.permute(0, 2, 3, 1)
+        if valid is not None:
+            g = g * valid
+        g = g.reshape(-1, c)
+        link = ctx.link
+        if link.grad_out is not None:  # the residual path: the output gradient, tiles handled by the scatter
+            gx = link.grad_out
+            link.grad_out = None
+        else:
+            gx = grad_blocks.new_zeros((n * h * w, c))
+        gx.index_add_(0, flat, g)
+        return gx.view(n, h, w, c).permute(0, 3, 1, 2), None, None, None, None
+
+
+class _ResidualScatter(torch.autograd.Function):
+    """Scatter of NHWC tiles into a copy of ``x`` whose ``x``-gradient is left to the gather's backward."""
+
+    @staticmethod
+    def forward(ctx, tiles, x, tile_flat, tile_valid, add, link):  # noqa: ANN001, ANN205
+        n, c, h, w = x.shape
+        src = tiles.permute(0, 2, 3, 1).reshape(-1, c)
+        if tile_valid is not None:
+            src = src[tile_valid]
+            rows_idx = tile_flat[tile_valid]
+        else:
+            rows_idx = tile_flat
+        out = _rows(x).clone()
+        (out.index_add_ if add else out.index_copy_)(0, rows_idx, src)
+        ctx.save_for_backward(rows_idx, tile_valid)
+        ctx.add, ctx.link, ctx.tiles_shape = add, link, tiles.shape
+        return out.view(n, h, w, c).permute(0, 3, 1, 2)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: ANN001, ANN205
+        rows_idx, tile_valid = ctx.saved_tensors
+        k, c, th, tw = ctx.tiles_shape
+        go = _rows(grad_out)
+        picked = go.index_select(0, rows_idx)
+        if tile_valid is not None:
+            g = picked.new_zeros((k * th * tw, c))
+            g[tile_valid] = picked
+        else:
+            g = picked
+        grad_tiles = g.view(k, th, tw, c).permute(0, 3, 1, 2)
+        if ctx.needs_input_grad[1]:
+            # x's gradient: the output gradient (tiles zeroed when they were written), finished by the
+            # gather's backward. `go` is a view of grad_out for channels-last grads (copy it), else a copy
+            # already (never modify grad_out: autograd may hand the same tensor to other functions).
+            gx = go.clone() if go.data_ptr() == grad_out.data_ptr() else go
+            if not ctx.add:
+                gx.index_fill_(0, rows_idx, 0)
+            ctx.link.grad_out = gx
+        return grad_tiles, None, None, None, None, None
+
+
+class ResidualBlocks:
+    """Gather of ``x``'s blocks and the scatter of a unit's tiles back into (a copy of) ``x``, NHWC only.
+
+    Same values as :func:`gather_blocks` + :func:`scatter_blocks` with ``base = x``; under autograd
+    ``x``'s gradient is assembled once - the output gradient copied, the written tiles zeroed, the
+    block gradients added - instead of summing two map-sized gradients (scatter's and gather's).
+    Use :meth:`gather` once, then :meth:`scatter` once.
+    """
+
+    def __init__(
+        self, x: torch.Tensor, indices: torch.Tensor, gather_bp: BlockParams, scatter_bp: BlockParams
+    ) -> None:
+        if not is_nhwc(x):
+            raise ValueError("ResidualBlocks: x must be channels-last")
+        self.x, self.gather_bp, self.scatter_bp = x, gather_bp, scatter_bp
+        self.indices = indices
+        self.link = _Link()
+
+    def gather(self) -> torch.Tensor:
+        x, bp, idx = self.x, self.gather_bp, self.indices
+        _, _, H, W = x.shape
+        n = idx[:, 0].long()
+        rows, vr = _positions(idx[:, 1].long() * bp.bstride_h + bp.boffset_h, bp.bsize_h, H)
+        cols, vc = _positions(idx[:, 2].long() * bp.bstride_w + bp.boffset_w, bp.bsize_w, W)
+        flat = ((n[:, None, None] * H + rows[:, :, None]) * W + cols[:, None, :]).reshape(-1)
+        valid = None
+        if not (bool(vr.all()) and bool(vc.all())):
+            valid = (vr[:, :, None, None] & vc[:, None, :, None]).to(x.dtype)
+        return _ResidualGather.apply(x, flat, valid, (bp.bsize_h, bp.bsize_w), self.link)
+
+    def scatter(self, tiles: torch.Tensor, add: bool) -> torch.Tensor:
+        flat, valid = _tile_rows(self.indices, self.scatter_bp, self.x.shape[0])
+        return _ResidualScatter.apply(tiles, self.x, flat, valid, add, self.link)

@@ -1,0 +1,435 @@
+"""Sparse-block benchmark: dense vs sparse, a 3x3 convolution and a bottleneck residual unit, on CPU.
+
+    python scripts/bench_sparse.py [quick=false] [out=benchmarks/sparse_cpu.json] [md=] [batch=1]
+        [stages=1,2,3,4] [sparsity=0.5,0.75,0.9,0.95,0.99] [blocks=8,16,32] [layers=conv3x3,bottleneck]
+        [passes=fwd,fwd+bwd] [reps=3] [threads=0] [layout=nhwc] [spconv=true]
+
+Layers, at the four stage sizes of SBNet's LiDAR backbone on our KITTI BEV grid (PIXOR layout, input
+800 x 704, stage outputs at strides 2..16 with 96/192/256/384 channels; see detector.nn.resnet):
+
+    stage 1: 400 x 352 x  96    stage 2: 200 x 176 x 192    stage 3: 100 x 88 x 256    stage 4: 50 x 44 x 384
+
+- ``conv3x3``: one 3x3 convolution C -> C (SparseBlockConv2d vs the same nn.Conv2d);
+- ``bottleneck``: one post-activation bottleneck unit C -> C/4 -> C/4 -> C with identity shortcut
+  (SparseResidualUnit vs its dense twin, same weights).
+
+Maps are channels-last (``layout=nhwc``, default) for dense and sparse alike: oneDNN's dense convolution
+is fastest that way on this CPU, and the sparse path then gathers/scatters NHWC rows
+(detector.nn.layout); ``layout=nchw`` runs both on NCHW maps (sparse through detector.ops' kernels).
+
+Masks: at each block size, a random ``(1 - sparsity)`` fraction of the layer's output tiles is active
+(at least one): the mask has one pixel at each chosen tile's centre, so ``reduce_mask`` returns exactly
+those blocks. The sparse time is the whole layer call with the mask (reduce_mask, gather, convolutions,
+BN/ReLU, scatter). ``fwd``: eval mode under ``torch.no_grad()`` (BN folded into the convolutions on both
+sides); the unit writes into a copy of its input (``sparse_inplace_ms`` also gives the in-place
+inference path the backbone uses). ``fwd+bwd``: training mode (batch statistics), forward and backward
+of a fixed output gradient, input gradient included. Every time is the best of ``reps`` after a warm-up
+(the median is recorded too). Each row reports the best block size; ``speedup`` = dense / sparse at that
+block size, ``ideal`` = 1 / (1 - actual block sparsity), ``auto_speedup`` = dense / min(dense, sparse)
+(what ``block_size="auto"`` may reach by choosing dense). Time shares of the sparse path's phases
+(reduce_mask, gather incl. the channels-last copy, conv = everything computed on the blocks, scatter)
+are timed phase by phase at that block size, with their backward in ``fwd+bwd`` rows.
+
+The allocator matters on this machine: large fresh allocations pay page faults, and glibc's
+``MALLOC_MMAP_MAX_=0`` (exported by the Makefile) keeps them on the heap. Dense and sparse always run
+in the same process under the same setting; the setting is printed and recorded in every row.
+Optional: ``spconv`` (``pip install spconv``, not a project dependency): a SubMConv2d on the same active
+pixels, when it imports. ``quick=true``: stages 1 and 4, 50 % and 90 %, block 16, two reps (< 1 min).
+Writes JSON (a list of rows) to ``out`` and a markdown table to ``md`` (default: ``out`` with ``.md``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from detector.cli import parse_args
+from detector.nn.chain import SparseConvChain
+from detector.nn.geometry import BlockSpan, level_masks
+from detector.nn.layout import gather_blocks, scatter_blocks, zeros_like_layout
+from detector.nn.resnet import SparseResidualUnit
+from detector.nn.sparse_conv import SparseBlockConv2d
+from detector.ops.functional import reduce_mask
+
+USAGE = __doc__
+DEFAULTS = {
+    "quick": False,
+    "out": "benchmarks/sparse_cpu.json",
+    "md": "",
+    "batch": 1,
+    "stages": "1,2,3,4",
+    "sparsity": "0.5,0.75,0.9,0.95,0.99",
+    "blocks": "8,16,32",
+    "layers": "conv3x3,bottleneck",
+    "passes": "fwd,fwd+bwd",
+    "reps": 3,
+    "threads": 0,
+    "layout": "nhwc",
+    "spconv": True,
+}
+STAGES = {1: (400, 352, 96), 2: (200, 176, 192), 3: (100, 88, 256), 4: (50, 44, 384)}
+PHASES = ("reduce_mask", "gather", "conv", "scatter")
+
+
+def timed(fn: Callable[[], object], reps: int) -> tuple[float, float]:
+    """(best, median) milliseconds of ``reps`` calls after one warm-up call."""
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return min(ts), statistics.median(ts)
+
+
+def make_layer(layer: str, C: int, block: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if layer == "conv3x3":
+        return SparseBlockConv2d(C, C, 3, bias=False, block_size=block)
+    unit = SparseResidualUnit(C, C, bottleneck=True, block_size=block)
+    with torch.no_grad():  # realistic BN statistics: not the identity
+        for bn in unit._slots:
+            bn.running_mean.uniform_(-0.1, 0.1)
+            bn.running_var.uniform_(0.5, 1.5)
+    return unit
+
+
+def block_params(m: torch.nn.Module, H: int, W: int):
+    return m.geometry(H, W).block if isinstance(m, SparseConvChain) else m.block_params(H, W)
+
+
+def random_tile_mask(bp, N: int, sparsity: float, seed: int) -> tuple[torch.Tensor, int]:
+    """A mask with one pixel at the centre of a random (1 - sparsity) share of the output tiles."""
+    total = N * bp.num_blocks
+    k = max(1, round((1.0 - sparsity) * total))
+    g = torch.Generator().manual_seed(seed)
+    chosen = torch.randperm(total, generator=g)[:k]
+    n, rest = chosen // bp.num_blocks, chosen % bp.num_blocks
+    by, bx = rest // bp.bcount_w, rest % bp.bcount_w
+    s = bp.stride_h
+    cy = (by * bp.obsize_h * s + bp.obsize_h * s // 2).clamp(max=bp.in_h - 1)
+    cx = (bx * bp.obsize_w * s + bp.obsize_w * s // 2).clamp(max=bp.in_w - 1)
+    mask = torch.zeros(N, 1, bp.in_h, bp.in_w)
+    mask[n, 0, cy, cx] = 1.0
+    return mask, k
+
+
+def sparse_phases(m, x, mask, bp, backward: bool, reps: int) -> dict[str, float]:
+    """Best-of-reps milliseconds of each phase of the sparse path (with its backward if asked)."""
+    idx = reduce_mask(mask, bp, tol=m.tol)
+    out: dict[str, float] = {"reduce_mask": timed(lambda: reduce_mask(mask, bp, tol=m.tol), reps)[0]}
+    is_unit = isinstance(m, SparseConvChain)
+    if is_unit:
+        geo = m.geometry(x.shape[2], x.shape[3])
+        span = BlockSpan.of(idx)
+        masks = [level_masks(idx, lv, x.dtype, span) for lv in geo.levels]
+
+        def gather(x_):
+            return m._gather(x_, idx, geo)
+
+        def compute(xb):
+            return m._run_blocks(xb, geo, masks, [None] * len(m._slots), collect=False)[0]
+    else:
+
+        def gather(x_):
+            return gather_blocks(x_, idx, bp)
+
+        def compute(xb):
+            return F.conv2d(xb, m.weight, m.bias)
+
+    with torch.no_grad():
+        xb = gather(x)
+        tiles = compute(xb)
+    identity = is_unit and m.shortcut == "identity"
+    add = is_unit and m.preact
+    base_shape = (x.shape[0], tiles.shape[1], bp.out_h, bp.out_w)
+    if not backward:
+        with torch.no_grad():
+            out["gather"] = timed(lambda: gather(x), reps)[0]
+            out["conv"] = timed(lambda: compute(xb), reps)[0]
+            if identity:  # the copying scatter into the input
+                out["scatter"] = timed(
+                    lambda: scatter_blocks(tiles, idx, x, bp, add=add, inplace=False), reps
+                )[0]
+            else:  # in place into fresh zeros
+
+                def scatter_zeros():
+                    base = zeros_like_layout(x, base_shape)
+                    return scatter_blocks(tiles, idx, base, bp, add=True, inplace=True)
+
+                out["scatter"] = timed(scatter_zeros, reps)[0]
+        return out
+    gb, gt = torch.randn_like(xb), torch.randn_like(tiles)
+    go = zeros_like_layout(x, base_shape).normal_()
+
+    def gather_fb():
+        xr = x.detach().requires_grad_(True)
+        gather(xr).backward(gb)
+
+    def compute_fb():
+        xr = xb.detach().requires_grad_(True)
+        compute(xr).backward(gt)
+
+    def scatter_fb():
+        tr = tiles.detach().requires_grad_(True)
+        base = (x.detach() if identity else zeros_like_layout(x, base_shape)).requires_grad_(True)
+        scatter_blocks(tr, idx, base, bp, add=add, inplace=False).backward(go)
+
+    out["gather"] = timed(gather_fb, reps)[0]
+    out["conv"] = timed(compute_fb, reps)[0]
+    out["scatter"] = timed(scatter_fb, reps)[0]
+    return out
+
+
+def spconv_time(x, mask_tiles, C, reps) -> float | None:
+    """SubMConv2d (spconv, CPU) on the active tiles' pixels; None when spconv does not import/run."""
+    try:
+        import spconv.pytorch as spconv  # optional benchmark dependency
+    except Exception:
+        return None
+    try:
+        N, _, H, W = x.shape
+        coords = mask_tiles[:, 0].nonzero().int()  # (n, y, x)
+        feats = x.permute(0, 2, 3, 1)[
+            coords[:, 0].long(), coords[:, 1].long(), coords[:, 2].long()
+        ].contiguous()
+        conv = spconv.SubMConv2d(C, C, 3, bias=False)
+        with torch.no_grad():
+            return timed(lambda: conv(spconv.SparseConvTensor(feats, coords, [H, W], N)), reps)[0]
+    except Exception as exc:  # CPU builds may lack kernels: report, do not fail the benchmark
+        print(f"spconv: skipped ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return None
+
+
+def tile_pixels(bp, idx: torch.Tensor, N: int) -> torch.Tensor:
+    grid = torch.zeros(N, bp.bcount_h, bp.bcount_w)
+    i = idx.long()
+    grid[i[:, 0], i[:, 1], i[:, 2]] = 1
+    m = grid.repeat_interleave(bp.obsize_h, 1).repeat_interleave(bp.obsize_w, 2)
+    return m[:, None, : bp.out_h, : bp.out_w]
+
+
+def environment() -> dict[str, object]:
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "malloc_mmap_max": os.environ.get("MALLOC_MMAP_MAX_", "unset"),
+        "malloc_trim_threshold": os.environ.get("MALLOC_TRIM_THRESHOLD_", "unset"),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cpu": cpu,
+        "python": platform.python_version(),
+    }
+
+
+def run(args: dict) -> list[dict]:
+    quick = args["quick"]
+    stages = [1, 4] if quick else [int(s) for s in args["stages"].split(",")]
+    sparsities = [0.5, 0.9] if quick else [float(s) for s in args["sparsity"].split(",")]
+    blocks = [16] if quick else [int(b) for b in args["blocks"].split(",")]
+    reps = 2 if quick else args["reps"]
+    layers = args["layers"].split(",")
+    passes = args["passes"].split(",")
+    N = args["batch"]
+    env = environment()
+    load0 = os.getloadavg()[0]
+    print(
+        f"allocator: MALLOC_MMAP_MAX_={env['malloc_mmap_max']} "
+        f"MALLOC_TRIM_THRESHOLD_={env['malloc_trim_threshold']} | layout {args['layout']}"
+        f" | threads {env['threads']} | torch {env['torch']} | {env['cpu']} | load {load0:.2f}",
+        flush=True,
+    )
+    from detector.ops import _library
+
+    if not _library.has_kernels("cpu"):
+        print(
+            f"WARNING: compiled sbnet kernels unavailable ({_library.unavailable_reason('cpu')}); "
+            "timing the pure-PyTorch reference",
+            flush=True,
+        )
+    rows = []
+    for stage in stages:
+        H, W, C = STAGES[stage]
+        torch.manual_seed(stage)
+        x = torch.randn(N, C, H, W)
+        if args["layout"] == "nhwc":
+            x = x.contiguous(memory_format=torch.channels_last)
+        g = torch.randn_like(x)
+        for layer in layers:
+            for pas in passes:
+                backward = pas == "fwd+bwd"
+                m = make_layer(layer, C, blocks[0]).train(backward)
+
+                def call(*a, m=m, backward=backward, g=g, **kw):
+                    if not backward:
+                        with torch.no_grad():
+                            return m(*a, **kw)
+                    for p in m.parameters():
+                        p.grad = None
+                    xr = a[0].detach().requires_grad_(True)
+                    y = m(xr, *a[1:], **kw)
+                    y.backward(g)
+                    return y
+
+                dense_ms, dense_med = timed(lambda call=call, x=x: call(x), reps)
+                for sp in sparsities:
+                    best = None
+                    per_block = {}
+                    for b in blocks:
+                        m.block_size = b
+                        bp = block_params(m, H, W)
+                        mask, k = random_tile_mask(bp, N, sp, seed=1000 * stage + b)
+                        assert reduce_mask(mask, bp, tol=m.tol).shape[0] == k
+                        ms, med = timed(lambda call=call, mask=mask, x=x: call(x, mask=mask), reps)
+                        per_block[b] = ms
+                        if best is None or ms < best[1]:
+                            best = (b, ms, med, mask, k, bp)
+                    b, sparse_ms, sparse_med, mask, k, bp = best
+                    m.block_size = b
+                    actual = 1.0 - k / (N * bp.num_blocks)
+                    phases = sparse_phases(m, x, mask, bp, backward, reps)
+                    total = sum(phases.values())
+                    row = {
+                        "layer": layer,
+                        "stage": stage,
+                        "H": H,
+                        "W": W,
+                        "C": C,
+                        "sparsity": sp,
+                        "pass": pas,
+                        "batch": N,
+                        "dense_ms": round(dense_ms, 3),
+                        "sparse_ms": round(sparse_ms, 3),
+                        "speedup": round(dense_ms / sparse_ms, 3),
+                        "ideal": round(1.0 / (1.0 - actual), 3),
+                        "auto_speedup": round(dense_ms / min(dense_ms, sparse_ms), 3),
+                        "block_size": b,
+                        "blocks_active": k,
+                        "blocks_total": N * bp.num_blocks,
+                        "actual_sparsity": round(actual, 4),
+                        "sparse_ms_by_block": {str(kk): round(v, 3) for kk, v in per_block.items()},
+                        "dense_ms_median": round(dense_med, 3),
+                        "sparse_ms_median": round(sparse_med, 3),
+                        "phase_ms": {p: round(phases[p], 3) for p in PHASES},
+                        "shares": {p: round(phases[p] / total, 3) for p in PHASES},
+                        "layout": args["layout"],
+                        **env,
+                    }
+                    if layer == "bottleneck" and not backward:  # inference writing into its own input
+                        xo = x.clone()
+                        row["sparse_inplace_ms"] = round(
+                            timed(lambda mask=mask, xo=xo: call(xo, mask=mask, inplace=True), reps)[0], 3
+                        )
+                    if layer == "conv3x3" and not backward and args["spconv"]:
+                        t = spconv_time(x, tile_pixels(bp, reduce_mask(mask, bp), N), C, reps)
+                        if t is not None:
+                            row["spconv_subm_ms"] = round(t, 3)
+                    rows.append(row)
+                    print(fmt_row(row), flush=True)
+    load1 = os.getloadavg()[0]
+    for r in rows:
+        r["load_avg_start"], r["load_avg_end"] = round(load0, 2), round(load1, 2)
+    return rows
+
+
+HEADER = (
+    "layer",
+    "stage",
+    "H x W x C",
+    "sparsity",
+    "pass",
+    "block",
+    "dense ms",
+    "sparse ms",
+    "speedup",
+    "ideal",
+    "auto",
+    "reduce/gather/conv/scatter %",
+)
+
+
+def fmt_row(r: dict) -> str:
+    sh = "/".join(f"{100 * r['shares'][p]:.0f}" for p in PHASES)
+    return (
+        f"{r['layer']:10s} {r['stage']:1d} {r['H']:3d}x{r['W']:3d}x{r['C']:3d} {r['sparsity']:5.2f} "
+        f"{r['pass']:7s} {r['block_size']:3d} {r['dense_ms']:9.1f} {r['sparse_ms']:9.1f} "
+        f"{r['speedup']:6.2f}x {r['ideal']:6.1f}x {r['auto_speedup']:6.2f}x  {sh}"
+    )
+
+
+def markdown(rows: list[dict], command: str) -> str:
+    r0 = rows[0]
+    lines = [
+        "# Sparse-block benchmark (CPU)",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"CPU: {r0['cpu']}; torch {r0['torch']}, {r0['threads']} threads; "
+        f"MALLOC_MMAP_MAX_={r0['malloc_mmap_max']}, MALLOC_TRIM_THRESHOLD_={r0['malloc_trim_threshold']} "
+        f"(dense and sparse under the same setting, same process); batch {r0['batch']}; "
+        f"load average {r0['load_avg_start']} at start, {r0['load_avg_end']} at end (shared machine).",
+        "",
+        f"Maps {r0['layout']}. Best of the repetitions; `speedup` = dense / sparse at the best block size, "
+        "`ideal` = 1 / (1 - actual block sparsity), `auto` = dense / min(dense, sparse) "
+        "(block_size='auto' may choose dense). "
+        "Shares: phases of the sparse path timed separately (with backward in fwd+bwd rows). "
+        "Generated by scripts/bench_sparse.py.",
+        "",
+        "| " + " | ".join(HEADER) + " |",
+        "|" + "---|" * len(HEADER),
+    ]
+    for r in rows:
+        sh = " / ".join(f"{100 * r['shares'][p]:.0f}" for p in PHASES)
+        lines.append(
+            f"| {r['layer']} | {r['stage']} | {r['H']}x{r['W']}x{r['C']} | {r['sparsity']:.2f} | "
+            f"{r['pass']} | {r['block_size']} | {r['dense_ms']:.1f} | {r['sparse_ms']:.1f} | "
+            f"{r['speedup']:.2f}x | "
+            f"{r['ideal']:.1f}x | {r['auto_speedup']:.2f}x | {sh} |"
+        )
+    extra = [r for r in rows if "sparse_inplace_ms" in r or "spconv_subm_ms" in r]
+    if extra:
+        lines += [
+            "",
+            "| layer | stage | sparsity | sparse ms | in-place inference ms | spconv SubMConv2d ms |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in extra:
+            lines.append(
+                f"| {r['layer']} | {r['stage']} | {r['sparsity']:.2f} | {r['sparse_ms']:.1f} | "
+                f"{r.get('sparse_inplace_ms', '')} | {r.get('spconv_subm_ms', '')} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv, DEFAULTS, USAGE)
+    if args["threads"] > 0:
+        torch.set_num_threads(args["threads"])
+    print(" ".join(HEADER))
+    rows = run(args)
+    out = Path(args["out"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1) + "\n")
+    md = Path(args["md"]) if args["md"] else out.with_suffix(".md")
+    command = "python scripts/bench_sparse.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    md.write_text(markdown(rows, command.strip()))
+    print(f"wrote {out} and {md}")
+
+
+if __name__ == "__main__":
+    main()
