@@ -165,6 +165,12 @@ class RoadMapMask:
         return MaskResult.from_mask(m[:, None].float())
 
 
+def _plane_height(xyz: np.ndarray, plane: np.ndarray) -> np.ndarray:
+    """a x + b y + c z + d for a plane (4,) or per-point planes (4, N); elementwise (a BLAS matmul of
+    this size costs more in thread start-up than in arithmetic)."""
+    return xyz[:, 0] * plane[0] + xyz[:, 1] * plane[1] + xyz[:, 2] * plane[2] + plane[3]
+
+
 class GroundMask:
     """Drivable-area estimate from RANSAC ground planes, per frame; no map needed.
 
@@ -249,15 +255,17 @@ class GroundMask:
 
     def fit_planes(self, xyz: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """(planes [Z, 4], zone [N] of each point) for ``xyz`` [N, 3]; None when ring 0 has no plane."""
-        rng_xy = np.hypot(xyz[:, 0], xyz[:, 1])
-        zone = np.searchsorted(self.zone_edges, rng_xy, side="right")
+        r2 = xyz[:, 0] ** 2 + xyz[:, 1] ** 2
+        zone = np.zeros(len(xyz), dtype=np.int64)
+        for e in self.zone_edges:  # ring k: edges[k-1] <= range < edges[k]
+            zone += r2 >= e * e
         planes = []
         for k in range(len(self.zone_edges) + 1):
             pts = xyz[zone == k]
             if k == 0:
                 cand = pts[np.abs(pts[:, 2] - self.ground_z) <= self.search_band]
             else:
-                cand = pts[np.abs(pts @ planes[-1][:3] + planes[-1][3]) <= self.search_band]
+                cand = pts[np.abs(_plane_height(pts, planes[-1])) <= self.search_band]
             plane = self._ransac(cand)
             if plane is None:
                 if k == 0:
@@ -277,7 +285,7 @@ class GroundMask:
             return None
         planes, zone = fit
         # Signed height above the point's ring plane.
-        height = np.take_along_axis(xyz @ planes[:, :3].T + planes[:, 3], zone[:, None], axis=1)[:, 0]
+        height = _plane_height(xyz, planes[zone].T)
         ground = torch.from_numpy(np.abs(height) <= self.distance_threshold)
         flat = rows * grid.W + cols
         cells = torch.zeros(grid.H * grid.W, dtype=torch.bool)
