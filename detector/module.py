@@ -25,12 +25,9 @@ def detections_to_labels(dets: Detections, classes: Sequence[str], frame) -> Kit
 def in_range_gt(labels: KittiLabels, boxes_lidar: np.ndarray, grid) -> KittiLabels:
     """The ground truth the detector can see: objects whose centre lies inside the BEV grid (DontCare
     kept). Objects outside the grid are dropped, as in PIXOR's evaluation."""
-    obj = labels.name != "DontCare"
-    keep = ~obj
     x, y = boxes_lidar[:, 0], boxes_lidar[:, 1]
     inside = (x >= grid.x_range[0]) & (x < grid.x_range[1]) & (y >= grid.y_range[0]) & (y < grid.y_range[1])
-    keep[np.flatnonzero(obj)] = inside
-    return labels.select(keep)
+    return labels.select((labels.name == "DontCare") | inside)
 
 
 class DetectorModule(L.LightningModule):
@@ -156,5 +153,6 @@ class DetectorModule(L.LightningModule):
         opt = self.optimizer_factory(params=[p for p in self.parameters() if p.requires_grad])
         if self.scheduler_factory is None:
             return opt
-        sched = self.scheduler_factory(optimizer=opt, total_steps=int(self.trainer.estimated_stepping_batches))
+        # +1: Lightning may step the schedule once after the last optimizer step
+        sched = self.scheduler_factory(optimizer=opt, total_steps=int(self.trainer.estimated_stepping_batches) + 1)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

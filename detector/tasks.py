@@ -12,6 +12,7 @@ import lightning as L
 import numpy as np
 import torch
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from detector.callbacks import AtomicCheckpointIO, load_checkpoint
@@ -78,7 +79,7 @@ def build_datamodule(data_cfg: DictConfig, mask_cfg: DictConfig | None, grid: Be
     provider = None
     if sparse and mask_cfg is not None and mask_cfg.get("provider") is not None:
         provider = instantiate(mask_cfg.provider)
-    augment = instantiate(data_cfg.augment, root=data_cfg.root) if data_cfg.get("augment") else None
+    augment = instantiate(data_cfg.augment) if data_cfg.get("augment") else None
     kwargs = {k: v for k, v in OmegaConf.to_container(data_cfg, resolve=True).items()
               if k not in ("_target_", "augment", "generate_if_missing", "generate_frames")}
     if batch_size is not None:
@@ -137,12 +138,15 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                             config=config)
     callbacks = [instantiate(c) for c in cfg.get("callbacks", {}).values() if c is not None and "_target_" in c]
     logger = instantiate(cfg.logger) if cfg.get("logger") and "_target_" in cfg.logger else False
+    if not logger:  # nothing to monitor the learning rate into
+        callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, plugins=[AtomicCheckpointIO()])
     trainer.fit(module, datamodule=dm, ckpt_path=cfg.get("ckpt_path"))
 
     result: dict[str, Any] = {"output_dir": str(out_dir), "best_ckpt": None, "metrics": None}
     ckpt_cb = trainer.checkpoint_callback
-    best = getattr(ckpt_cb, "best_model_path", "") or getattr(ckpt_cb, "last_model_path", "") if ckpt_cb else ""
+    candidates = [getattr(ckpt_cb, "best_model_path", ""), getattr(ckpt_cb, "last_model_path", "")] if ckpt_cb else []
+    best = next((p for p in candidates if p and Path(p).is_file()), "")  # fast_dev_run saves none
     result["best_ckpt"] = best or None
     if cfg.get("evaluate_after") and best and trainer.is_global_zero:
         metrics = evaluate_checkpoint(best, cfg.data, out_dir / "eval", split=cfg.data.val_split)

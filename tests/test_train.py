@@ -1,0 +1,265 @@
+"""The training application: configs, fast_dev_run, resume, evaluation, checkpoints, bad config."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from detector.callbacks import CheckpointError, load_checkpoint
+from detector.tasks import build_datamodule, build_grid, build_model, evaluate_checkpoint, train
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+TINY = [
+    "bev.x_range=[0,25.6]", "bev.y_range=[-12.8,12.8]", "bev.z_resolution=0.5",
+    "model.backbone.stem_channels=8", "model.backbone.stage_units=[1,1,1,1]",
+    "model.backbone.stage_channels=[8,8,16,16]", "model.neck_channels=8", "model.head_channels=8",
+    "data.batch_size=2", "data.eval_batch_size=2", "data.num_workers=0", "data.augment=null",
+    "trainer.max_epochs=1", "trainer.accelerator=cpu", "callbacks.progress_bar=null",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory) -> Path:
+    """Six simulated frames at a coarse azimuth step (4 train, 2 val)."""
+    from detector.data.sim import LidarSpec, generate_dataset
+
+    root = tmp_path_factory.mktemp("sim") / "kitti"
+    generate_dataset(root, 6, seed=1, workers=1, spec=LidarSpec(columns=600), progress=False)
+    return root
+
+
+def _cfg(out: Path, root: Path, *overrides: str, name: str = "train"):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(CONFIGS), version_base="1.3"):
+        return compose(name, overrides=[f"paths.output_dir={out}", f"data.root={root}", *TINY, *overrides]
+                       if name == "train" else [f"paths.output_dir={out}", f"data.root={root}", *overrides])
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
+
+
+# --- every option of every group composes and instantiates ------------------------------------------
+@pytest.mark.parametrize("option", _options("bev"))
+def test_bev_options(tmp_path, tiny_root, option):
+    cfg = _cfg(tmp_path, tiny_root, f"bev={option}")
+    grid = build_grid(cfg.bev)
+    assert grid.H % 32 == 0 and grid.W % 32 == 0
+
+
+@pytest.mark.parametrize("model", _options("model"))
+@pytest.mark.parametrize("mask", _options("mask"))
+def test_model_and_mask_options(tmp_path, tiny_root, model, mask):
+    cfg = _cfg(tmp_path, tiny_root, f"model={model}", f"mask={mask}")
+    grid = build_grid(cfg.bev)
+    det = build_model(cfg.model, cfg.mask, grid)
+    dm = build_datamodule(cfg.data, cfg.mask, grid, bool(cfg.model.sparse))
+    batch = next(iter(dm.val_dataloader()))
+    det.eval()
+    with torch.no_grad():
+        out = det(batch)
+    assert out.heatmap.shape[-2:] == (grid.H // 4, grid.W // 4)
+    dense = model == "dense" or mask == "none"
+    assert (out.mask is None) == dense
+
+
+@pytest.mark.parametrize("data", _options("data"))
+def test_data_options(tmp_path, tiny_root, data):
+    cfg = _cfg(tmp_path, tiny_root, f"data={data}", "data.augment=null")
+    dm = build_datamodule(cfg.data, cfg.mask, build_grid(cfg.bev), True)
+    dm.setup("fit")
+    n_train, n_val = len(dm.dataset("train")), len(dm.dataset("val"))
+    assert n_train > 0 and n_val > 0 and n_train + n_val == 6
+
+
+def test_augmentation_config_instantiates(tmp_path, tiny_root):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(CONFIGS), version_base="1.3"):
+        cfg = compose("train", overrides=[f"paths.output_dir={tmp_path}", f"data.root={tiny_root}"])
+    aug = instantiate(cfg.data.augment)
+    dm = build_datamodule(cfg.data, cfg.mask, build_grid(cfg.bev), True)
+    frame = dm.dataset("train")[0]
+    import numpy as np
+
+    out = aug(frame, np.random.default_rng(0))
+    assert len(out.gt_boxes) >= len(frame.gt_boxes)
+
+
+@pytest.mark.parametrize("group", ["trainer", "logger", "callbacks"])
+def test_trainer_logger_callback_options(tmp_path, tiny_root, group):
+    for option in _options(group):
+        extra = ["trainer.accelerator=cpu"] if group == "trainer" and not torch.cuda.is_available() else []
+        if group == "trainer" and option == "ddp":
+            extra += ["trainer.devices=2"]
+        if group == "trainer" and option == "gpu" and not torch.cuda.is_available():
+            extra += ["trainer.precision=32-true"]
+        cfg = _cfg(tmp_path, tiny_root, f"{group}={option}", *extra)
+        if group == "trainer":
+            import lightning as L
+
+            assert isinstance(instantiate(cfg.trainer, logger=False), L.Trainer)
+        elif group == "logger":
+            if cfg.logger and "_target_" in cfg.logger:
+                instantiate(cfg.logger)
+        else:
+            for c in cfg.callbacks.values():
+                if c is not None:
+                    instantiate(c)
+
+
+@pytest.mark.parametrize("group", ["experiment", "debug"])
+def test_experiment_and_debug_options(tmp_path, tiny_root, group):
+    for option in _options(group):
+        cfg = _cfg(tmp_path, tiny_root, f"{group}={option}")
+        grid = build_grid(cfg.bev)
+        build_model(cfg.model, cfg.mask, grid)
+        OmegaConf.to_container(cfg, resolve=True)
+
+
+# --- running ------------------------------------------------------------------------------------------
+def test_fast_dev_run_train_then_evaluate(tmp_path, tiny_root):
+    cfg = _cfg(tmp_path / "run", tiny_root, "debug=fdr", "logger=none")
+    result = train(cfg)
+    assert result["metrics"] is None  # debug=fdr skips the evaluation after training
+    cfg = _cfg(tmp_path / "run2", tiny_root, "trainer.max_steps=2", "callbacks.model_checkpoint.monitor=null",
+               "evaluate_after=false")
+    result = train(cfg)
+    ckpt = Path(result["best_ckpt"])
+    assert ckpt.is_file()
+    assert list((tmp_path / "run2" / "tensorboard").glob("events.out.tfevents.*"))
+    data_cfg = cfg.data.copy()
+    metrics = evaluate_checkpoint(ckpt, data_cfg, tmp_path / "eval", split="val")
+    assert set(metrics["Car"]) >= {"2d", "bev", "3d", "aos"}
+    assert (tmp_path / "eval" / "metrics.json").is_file()
+    val_ids = (tiny_root / "ImageSets" / "val.txt").read_text().split()
+    assert sorted(p.name for p in (tmp_path / "eval" / "data").iterdir()) == [f"{i}.txt" for i in val_ids]
+    # the same weights run dense
+    metrics_dense = evaluate_checkpoint(ckpt, data_cfg, tmp_path / "eval_dense", split="val", mask_override="none")
+    assert "Car" in metrics_dense
+
+
+class StopAtStep(L.Callback):
+    """Stops training after ``step`` optimizer steps (a clean interruption of a longer schedule)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+def _final_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint(ckpt)["state_dict"]
+
+
+def test_resume_continues_exactly(tmp_path, tiny_root):
+    """4 steps straight == 2 steps, stop, resume from the step-2 checkpoint, 2 more steps."""
+    common = ["trainer.max_steps=4", "trainer.max_epochs=-1", "callbacks.model_checkpoint.monitor=null",
+              "callbacks.model_checkpoint.every_n_train_steps=2", "callbacks.model_checkpoint.save_top_k=-1",
+              "evaluate_after=false", "logger=none", "trainer.limit_val_batches=0", "data.batch_size=1"]
+    straight = train(_cfg(tmp_path / "a", tiny_root, *common))
+    stop = ["+callbacks.stop._target_=tests.test_train.StopAtStep", "+callbacks.stop.step=2"]
+    first = train(_cfg(tmp_path / "b", tiny_root, *common, *stop))
+    mid = sorted((tmp_path / "b" / "checkpoints").glob("*step000002.ckpt"))
+    assert mid, list((tmp_path / "b" / "checkpoints").iterdir())
+    resumed = train(_cfg(tmp_path / "c", tiny_root, *common, f"ckpt_path={mid[0]}"))
+    a = _final_weights(Path(straight["best_ckpt"]))
+    c = _final_weights(Path(resumed["best_ckpt"]))
+    assert first["best_ckpt"] is not None
+    for k in a:
+        torch.testing.assert_close(c[k], a[k], rtol=0, atol=0, msg=k)
+
+
+def test_weights_only_refuses_pickled_objects(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    bad = tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {}, "payload": Evil()}, bad)
+    with pytest.raises(CheckpointError, match="refused to load"):
+        load_checkpoint(bad)
+    with pytest.raises(CheckpointError, match="not found"):
+        load_checkpoint(tmp_path / "missing.ckpt")
+
+
+def _run_script(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model=nonexistent", "Could not find 'model/nonexistent'"),
+        ("data.batch_size=-2", "data.batch_size must be a positive integer or 'auto', got -2"),
+        ("bev.x_range=[0,0.05]", "zero cells"),
+        ("bev.resolution=0", "resolution must be positive"),
+    ],
+)
+def test_bad_config_fails_at_start_with_a_clear_message(tmp_path, tiny_root, override, message):
+    r = _run_script("scripts/train.py", f"paths.output_dir={tmp_path}", f"data.root={tiny_root}", override)
+    assert r.returncode != 0
+    assert message in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
+def test_evaluate_script_refuses_a_pickled_checkpoint(tmp_path, tiny_root):
+    bad = tmp_path / "evil.ckpt"
+    torch.save({"x": object()}, bad)
+    r = _run_script("scripts/evaluate.py", f"ckpt_path={bad}", f"data.root={tiny_root}", f"paths.output_dir={tmp_path}")
+    assert r.returncode == 1 and "refused to load" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, tiny_root):
+    """SIGKILL mid-epoch, resume from last.ckpt: the final weights equal an uninterrupted run's."""
+    common = [f"data.root={tiny_root}", *TINY, "trainer.max_steps=12", "trainer.max_epochs=-1",
+              "callbacks.model_checkpoint.monitor=null", "callbacks.model_checkpoint.every_n_train_steps=1",
+              "evaluate_after=false", "logger=none", "trainer.limit_val_batches=0", "data.batch_size=1"]
+    straight = _run_script("scripts/train.py", f"paths.output_dir={tmp_path / 'a'}", *common, timeout=900)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    out = tmp_path / "b"
+    proc = subprocess.Popen([sys.executable, "scripts/train.py", f"paths.output_dir={out}", *common], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while time.time() < deadline and not list((out / "checkpoints").glob("*step000006.ckpt")):
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    last = out / "checkpoints" / "last.ckpt"
+    step = load_checkpoint(last)["global_step"]
+    assert 6 <= step < 12, step
+    resumed = _run_script("scripts/train.py", f"paths.output_dir={tmp_path / 'c'}", *common, f"ckpt_path={last}",
+                          timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a = _final_weights(tmp_path / "a" / "checkpoints" / "last.ckpt")
+    c = _final_weights(tmp_path / "c" / "checkpoints" / "last.ckpt")
+    for k in a:
+        torch.testing.assert_close(c[k], a[k], rtol=0, atol=0, msg=k)
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_on_cpu(tmp_path, tiny_root):
+    r = _run_script("scripts/train.py", f"paths.output_dir={tmp_path}", f"data.root={tiny_root}", *TINY,
+                    "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_epochs=1",
+                    "evaluate_after=false", timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ckpts = list((tmp_path / "checkpoints").glob("*.ckpt"))
+    assert ckpts
+    m = load_checkpoint(ckpts[0])
+    assert "val/AP_Car_bev_R40_moderate" in str(m.get("callbacks", {}))
+
