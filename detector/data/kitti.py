@@ -23,6 +23,7 @@ import numpy as np
 from detector.data.structures import Boxes3D, Frame
 
 CLASSES = ("Car", "Van", "Truck", "Pedestrian", "Person_sitting", "Cyclist", "Tram", "Misc", "DontCare")
+_CLASS_SET = frozenset(CLASSES)
 IMAGE_SIZE = (1242, 375)  # (width, height) of KITTI's left colour camera, used where no image is at hand
 
 
@@ -82,14 +83,52 @@ class KittiLabels:
 
 def parse_label_lines(lines: list[str], path: str | Path, with_score: bool | None = None) -> KittiLabels:
     """Parse label lines. ``with_score``: True requires the 16th field, False forbids it, None allows
-    either (all lines must agree)."""
-    rows, names = [], []
+    either (all lines must agree). Vectorized; on invalid input the first offending line is named."""
+    numbered = [(i, s.split()) for i, s in enumerate(lines, start=1) if s.strip()]
+    if not numbered:
+        return KittiLabels.empty(with_score=bool(with_score))
+    n_fields = len(numbered[0][1])
+    try:
+        if any(len(f) != n_fields for _, f in numbered) or n_fields not in (15, 16):
+            raise ValueError
+        name_list = [f[0] for _, f in numbered]
+        if not set(name_list) <= _CLASS_SET:
+            raise ValueError
+        names = np.array(name_list, dtype="<U16")
+        a = np.array([float(v) for _, f in numbered for v in f[1:]], dtype=np.float64).reshape(len(numbered), -1)
+        care = names != "DontCare"
+        if (
+            not np.isfinite(a).all()
+            or (a[:, 1] != np.round(a[:, 1])).any()
+            or (a[care][:, 7:10] < 0).any()
+        ):
+            raise ValueError
+    except ValueError:
+        _raise_first_bad_line(numbered, path)
+        raise
+    if with_score is True and n_fields == 15:
+        raise KittiFormatError(path, "result file lines need a 16th field (score)")
+    if with_score is False and n_fields == 16:
+        raise KittiFormatError(path, "label lines have 15 fields; found a 16th (score)")
+    has_score = n_fields == 16
+    return KittiLabels(
+        name=names,
+        truncated=a[:, 0].astype(np.float32),
+        occluded=a[:, 1].astype(np.int32),
+        alpha=a[:, 2].astype(np.float32),
+        bbox=a[:, 3:7].astype(np.float32),
+        dimensions=a[:, 7:10].astype(np.float32),
+        location=a[:, 10:13].astype(np.float32),
+        rotation_y=a[:, 13].astype(np.float32),
+        score=a[:, 14].astype(np.float32) if has_score else None,
+    )
+
+
+def _raise_first_bad_line(numbered: list[tuple[int, list[str]]], path: str | Path) -> None:
+    """The slow path of :func:`parse_label_lines`: find the first invalid line and raise for it."""
     n_fields = None
-    for i, raw in enumerate(lines, start=1):
-        s = raw.strip()
-        if not s:
-            continue
-        f = s.split()
+    for i, f in numbered:
+        s = " ".join(f)
         if len(f) not in (15, 16):
             raise KittiFormatError(path, f"expected 15 fields (16 with a score), got {len(f)}: {s!r}", i)
         if n_fields is None:
@@ -108,27 +147,6 @@ def parse_label_lines(lines: list[str], path: str | Path, with_score: bool | Non
             raise KittiFormatError(path, f"occluded must be an integer, got {f[2]!r}", i)
         if f[0] != "DontCare" and min(vals[7:10]) < 0:
             raise KittiFormatError(path, f"negative box size (h, w, l) = {tuple(vals[7:10])}", i)
-        names.append(f[0])
-        rows.append(vals)
-    if with_score is True and n_fields == 15:
-        raise KittiFormatError(path, "result file lines need a 16th field (score)")
-    if with_score is False and n_fields == 16:
-        raise KittiFormatError(path, "label lines have 15 fields; found a 16th (score)")
-    has_score = n_fields == 16 or (n_fields is None and bool(with_score))
-    if not rows:
-        return KittiLabels.empty(with_score=has_score)
-    a = np.asarray(rows, dtype=np.float64)
-    return KittiLabels(
-        name=np.asarray(names, dtype="<U16"),
-        truncated=a[:, 0].astype(np.float32),
-        occluded=a[:, 1].astype(np.int32),
-        alpha=a[:, 2].astype(np.float32),
-        bbox=a[:, 3:7].astype(np.float32),
-        dimensions=a[:, 7:10].astype(np.float32),
-        location=a[:, 10:13].astype(np.float32),
-        rotation_y=a[:, 13].astype(np.float32),
-        score=a[:, 14].astype(np.float32) if has_score else None,
-    )
 
 
 def read_label(path: str | Path, with_score: bool | None = None) -> KittiLabels:
@@ -317,21 +335,22 @@ def read_points(path: str | Path) -> np.ndarray:
     non-finite scans."""
     path = Path(path)
     try:
-        data = path.read_bytes()
+        size = path.stat().st_size
     except FileNotFoundError:
         raise KittiFormatError(path, "point cloud file not found") from None
-    if len(data) == 0:
+    if size == 0:
         raise KittiFormatError(path, "empty point cloud (0 bytes)")
-    if len(data) % 16:
-        raise KittiFormatError(
-            path, f"truncated point cloud: {len(data)} bytes is not a multiple of 16 (4 float32 per point)"
-        )
-    pts = np.frombuffer(data, dtype=np.float32).reshape(-1, 4)
-    bad = ~np.isfinite(pts).all(axis=1)
-    if bad.any():
+    if size % 16:
+        raise KittiFormatError(path, f"truncated point cloud: {size} bytes is not a multiple of 16 (4 float32 per point)")
+    pts = np.fromfile(path, dtype=np.float32)
+    if pts.size * 4 != size:
+        raise KittiFormatError(path, f"could read only {pts.size * 4} of {size} bytes")
+    pts = pts.reshape(-1, 4)
+    if not np.isfinite(pts).all():  # the per-point mask only on the (rare) failure path
+        bad = ~np.isfinite(pts).all(axis=1)
         first = int(np.flatnonzero(bad)[0])
         raise KittiFormatError(path, f"{int(bad.sum())} points with NaN or infinite values (first: point {first})")
-    return pts.copy()
+    return pts
 
 
 def write_points(path: str | Path, points: np.ndarray) -> None:
