@@ -4,8 +4,8 @@
                                      [out=benchmarks/voxelize_masks_cpu.json]
 
 Frames: the KITTI-format dataset at ``root`` (its train split; road maps used when present), else the
-real KITTI frames in ../shared/kitti_real when present. Measures, in one run, the median wall time
-(after one warm-up) of:
+real KITTI frames in ../shared/kitti_real when present. Measures, in one run, the median wall and
+process-CPU time (after one warm-up) of:
 - ``voxelize`` at bev=kitti and bev=small for batch 1 and 4 (each frame ~120k points), and of
   allocating the zero BEV tensor alone (the floor of any dense voxelizer: ratio = voxelize / zeros);
 - per frame: GroundMask, RoadMapMask (if the frames have road maps), boxes_mask of the labels.
@@ -40,18 +40,21 @@ REPO = Path(__file__).resolve().parents[1]
 KITTI_REAL = REPO.parent / "shared" / "kitti_real"
 
 
-def _median_ms(fn, repeats: int, sync: bool) -> float:
+def _median_ms(fn, repeats: int, sync: bool) -> tuple[float, float]:
+    """(median wall ms, median process CPU ms: all threads of this process, so on a shared machine
+    it is closer than the wall time to what an idle machine would show)."""
     fn()
-    times = []
+    wall, cpu = [], []
     for _ in range(repeats):
         if sync:
             torch.cuda.synchronize()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         fn()
         if sync:
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
+        wall.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
+    return 1e3 * statistics.median(wall), 1e3 * statistics.median(cpu)
 
 
 def load_frames(root: str):
@@ -76,12 +79,14 @@ def run(root: str, repeats: int, device: str) -> dict:
             batch = collate_frames([frames[i % len(frames)] for i in range(b)])
             pts = batch.points.to(device)
             n = pts.shape[0]
-            vox = _median_ms(lambda pts=pts, b=b, grid=grid: voxelize(pts, b, grid), repeats, sync)
-            zeros = _median_ms(lambda b=b, grid=grid: torch.zeros(b, grid.C, grid.H, grid.W, device=device),
-                               repeats, sync)
+            vox, vox_cpu = _median_ms(lambda pts=pts, b=b, grid=grid: voxelize(pts, b, grid), repeats, sync)
+            shape = (b, grid.C, grid.H, grid.W)
+            zeros, _ = _median_ms(lambda shape=shape: torch.zeros(shape, device=device), repeats, sync)
             rows.append({"op": "voxelize", "bev": name, "batch": b, "points": n, "ms": round(vox, 2),
-                         "zeros_ms": round(zeros, 2), "ratio_to_zeros": round(vox / max(zeros, 1e-9), 2)})
-        per_frame = {"GroundMask": [], "RoadMapMask": [], "boxes_mask": []}
+                         "cpu_ms": round(vox_cpu, 2), "zeros_ms": round(zeros, 2),
+                         "ratio_to_zeros": round(vox / max(zeros, 1e-9), 2)})
+        per_frame: dict[str, list[tuple[float, float]]] = {"GroundMask": [], "RoadMapMask": [],
+                                                           "boxes_mask": []}
         has_road = all(f.road_map is not None for f in frames)
         for f in frames:
             batch = collate_frames([f])
@@ -94,18 +99,22 @@ def run(root: str, repeats: int, device: str) -> dict:
                 lambda f=f, grid=grid: boxes_mask([f.gt_boxes], grid, 1.0, downsample=1), repeats, False))
         for op, ms in per_frame.items():
             if ms:
+                wall, cpu = [m[0] for m in ms], [m[1] for m in ms]
                 rows.append({"op": f"{op} (per frame)", "bev": name, "batch": 1,
-                             "ms": round(statistics.median(ms), 2), "ms_max": round(max(ms), 2)})
+                             "ms": round(statistics.median(wall), 2),
+                             "cpu_ms": round(statistics.median(cpu), 2),
+                             "ms_max": round(max(wall), 2)})
     return {"source": source, "frames": len(frames), "rows": rows}
 
 
 def table(r: dict) -> str:
-    lines = ["| op | bev | batch | points | median ms | zeros ms | ratio to zeros | max over frames ms |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| op | bev | batch | points | median wall ms | median CPU ms | zeros ms | wall / zeros "
+             "| max wall over frames ms |", "|---|---|---|---|---|---|---|---|---|"]
     for row in r["rows"]:
         lines.append(
             f"| {row['op']} | {row['bev']} | {row['batch']} | {row.get('points', '')} | {row['ms']:.2f} | "
-            f"{row.get('zeros_ms', '')} | {row.get('ratio_to_zeros', '')} | {row.get('ms_max', '')} |")
+            f"{row['cpu_ms']:.2f} | {row.get('zeros_ms', '')} | {row.get('ratio_to_zeros', '')} "
+            f"| {row.get('ms_max', '')} |")
     m = r["machine"]
     lines.append("")
     lines.append(f"frames: {r['frames']} from {r['source']}; torch threads {m['torch_threads']}; "
