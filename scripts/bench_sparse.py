@@ -250,7 +250,7 @@ def run(args: dict) -> list[dict]:
     load0 = os.getloadavg()[0]
     print(
         f"allocator: MALLOC_MMAP_MAX_={env['malloc_mmap_max']} "
-        f"MALLOC_TRIM_THRESHOLD_={env['malloc_trim_threshold']} | layout {args['layout']}"
+        f"MALLOC_TRIM_THRESHOLD_={env['malloc_trim_threshold']} | sparse maps {args['layout']}"
         f" | threads {env['threads']} | torch {env['torch']} | {env['cpu']} | load {load0:.2f}",
         flush=True,
     )
@@ -262,31 +262,38 @@ def run(args: dict) -> list[dict]:
             "timing the pure-PyTorch reference",
             flush=True,
         )
+    print(" ".join(HEADER), flush=True)
     rows = []
     for stage in stages:
         H, W, C = STAGES[stage]
         torch.manual_seed(stage)
-        x = torch.randn(N, C, H, W)
-        if args["layout"] == "nhwc":
-            x = x.contiguous(memory_format=torch.channels_last)
-        g = torch.randn_like(x)
+        x_nchw = torch.randn(N, C, H, W)
+        g_nchw = torch.randn(N, C, H, W)
+        maps = {
+            "nchw": (x_nchw, g_nchw),
+            "nhwc": tuple(t.contiguous(memory_format=torch.channels_last) for t in (x_nchw, g_nchw)),
+        }
+        x, g = maps[args["layout"]]
         for layer in layers:
             for pas in passes:
                 backward = pas == "fwd+bwd"
                 m = make_layer(layer, C, blocks[0]).train(backward)
 
-                def call(*a, m=m, backward=backward, g=g, **kw):
+                def call(x_, g_, m=m, backward=backward, **kw):
                     if not backward:
                         with torch.no_grad():
-                            return m(*a, **kw)
+                            return m(x_, **kw)
                     for p in m.parameters():
                         p.grad = None
-                    xr = a[0].detach().requires_grad_(True)
-                    y = m(xr, *a[1:], **kw)
-                    y.backward(g)
+                    xr = x_.detach().requires_grad_(True)
+                    y = m(xr, **kw)
+                    y.backward(g_)
                     return y
 
-                dense_ms, dense_med = timed(lambda call=call, x=x: call(x), reps)
+                # the dense twin in both layouts; its best is the baseline
+                dense = {lay: timed(lambda xg=xg, call=call: call(*xg), reps) for lay, xg in maps.items()}
+                dense_layout = min(dense, key=lambda k: dense[k][0])
+                dense_ms, dense_med = dense[dense_layout]
                 for sp in sparsities:
                     best = None
                     per_block = {}
@@ -295,7 +302,7 @@ def run(args: dict) -> list[dict]:
                         bp = block_params(m, H, W)
                         mask, k = random_tile_mask(bp, N, sp, seed=1000 * stage + b)
                         assert reduce_mask(mask, bp, tol=m.tol).shape[0] == k
-                        ms, med = timed(lambda call=call, mask=mask, x=x: call(x, mask=mask), reps)
+                        ms, med = timed(lambda call=call, mask=mask, x=x, g=g: call(x, g, mask=mask), reps)
                         per_block[b] = ms
                         if best is None or ms < best[1]:
                             best = (b, ms, med, mask, k, bp)
@@ -323,18 +330,23 @@ def run(args: dict) -> list[dict]:
                         "blocks_total": N * bp.num_blocks,
                         "actual_sparsity": round(actual, 4),
                         "sparse_ms_by_block": {str(kk): round(v, 3) for kk, v in per_block.items()},
+                        "dense_layout": dense_layout,
+                        "dense_ms_nchw": round(dense["nchw"][0], 3),
+                        "dense_ms_nhwc": round(dense["nhwc"][0], 3),
+                        "sparse_layout": args["layout"],
                         "dense_ms_median": round(dense_med, 3),
                         "sparse_ms_median": round(sparse_med, 3),
                         "phase_ms": {p: round(phases[p], 3) for p in PHASES},
                         "shares": {p: round(phases[p] / total, 3) for p in PHASES},
-                        "layout": args["layout"],
                         **env,
                     }
                     if layer == "bottleneck" and not backward:  # inference writing into its own input
                         xo = x.clone()
-                        row["sparse_inplace_ms"] = round(
-                            timed(lambda mask=mask, xo=xo: call(xo, mask=mask, inplace=True), reps)[0], 3
-                        )
+                        ms = timed(lambda mask=mask, xo=xo, g=g: call(xo, g, mask=mask, inplace=True), reps)[
+                            0
+                        ]
+                        row["sparse_inplace_ms"] = round(ms, 3)
+                        row["speedup_inplace"] = round(dense_ms / ms, 3)
                     if layer == "conv3x3" and not backward and args["spconv"]:
                         t = spconv_time(x, tile_pixels(bp, reduce_mask(mask, bp), N), C, reps)
                         if t is not None:
@@ -357,18 +369,27 @@ HEADER = (
     "dense ms",
     "sparse ms",
     "speedup",
+    "in-place",
     "ideal",
     "auto",
     "reduce/gather/conv/scatter %",
 )
 
 
+_SUFFIX = {"nchw": "c", "nhwc": "h"}
+
+
+def _inplace(r: dict) -> str:
+    return f"{r['speedup_inplace']:.2f}x" if "speedup_inplace" in r else "-"
+
+
 def fmt_row(r: dict) -> str:
     sh = "/".join(f"{100 * r['shares'][p]:.0f}" for p in PHASES)
     return (
         f"{r['layer']:10s} {r['stage']:1d} {r['H']:3d}x{r['W']:3d}x{r['C']:3d} {r['sparsity']:5.2f} "
-        f"{r['pass']:7s} {r['block_size']:3d} {r['dense_ms']:9.1f} {r['sparse_ms']:9.1f} "
-        f"{r['speedup']:6.2f}x {r['ideal']:6.1f}x {r['auto_speedup']:6.2f}x  {sh}"
+        f"{r['pass']:7s} {r['block_size']:3d} {r['dense_ms']:9.1f}{_SUFFIX[r['dense_layout']]} "
+        f"{r['sparse_ms']:9.1f} "
+        f"{r['speedup']:6.2f}x {_inplace(r):>7s} {r['ideal']:6.1f}x {r['auto_speedup']:6.2f}x  {sh}"
     )
 
 
@@ -384,10 +405,13 @@ def markdown(rows: list[dict], command: str) -> str:
         f"(dense and sparse under the same setting, same process); batch {r0['batch']}; "
         f"load average {r0['load_avg_start']} at start, {r0['load_avg_end']} at end (shared machine).",
         "",
-        f"Maps {r0['layout']}. Best of the repetitions; `speedup` = dense / sparse at the best block size, "
-        "`ideal` = 1 / (1 - actual block sparsity), `auto` = dense / min(dense, sparse) "
-        "(block_size='auto' may choose dense). "
-        "Shares: phases of the sparse path timed separately (with backward in fwd+bwd rows). "
+        f"Sparse maps {r0['sparse_layout']}; dense timed on NCHW and NHWC maps, the faster one is the "
+        "baseline (`dense ms` suffix: c = NCHW, h = NHWC). Best of the repetitions; "
+        "`speedup` = dense / sparse at the best block size (the unit writes a copy of its input); "
+        "`in-place` = the inference path writing into its input (bottleneck fwd); "
+        "`ideal` = 1 / (1 - actual block sparsity); `auto` = dense / min(dense, sparse) "
+        "(block_size='auto' may choose dense). Shares: phases of the sparse path timed separately "
+        "(with backward in fwd+bwd rows). fwd = eval mode, no grad; fwd+bwd = training mode. "
         "Generated by scripts/bench_sparse.py.",
         "",
         "| " + " | ".join(HEADER) + " |",
@@ -397,21 +421,16 @@ def markdown(rows: list[dict], command: str) -> str:
         sh = " / ".join(f"{100 * r['shares'][p]:.0f}" for p in PHASES)
         lines.append(
             f"| {r['layer']} | {r['stage']} | {r['H']}x{r['W']}x{r['C']} | {r['sparsity']:.2f} | "
-            f"{r['pass']} | {r['block_size']} | {r['dense_ms']:.1f} | {r['sparse_ms']:.1f} | "
-            f"{r['speedup']:.2f}x | "
+            f"{r['pass']} | {r['block_size']} | {r['dense_ms']:.1f} {_SUFFIX[r['dense_layout']]} | "
+            f"{r['sparse_ms']:.1f} | {r['speedup']:.2f}x | {_inplace(r)} | "
             f"{r['ideal']:.1f}x | {r['auto_speedup']:.2f}x | {sh} |"
         )
-    extra = [r for r in rows if "sparse_inplace_ms" in r or "spconv_subm_ms" in r]
-    if extra:
-        lines += [
-            "",
-            "| layer | stage | sparsity | sparse ms | in-place inference ms | spconv SubMConv2d ms |",
-            "|---|---|---|---|---|---|",
-        ]
-        for r in extra:
+    sp = [r for r in rows if "spconv_subm_ms" in r]
+    if sp:
+        lines += ["", "| conv3x3 stage | sparsity | sparse ms | spconv SubMConv2d ms |", "|---|---|---|---|"]
+        for r in sp:
             lines.append(
-                f"| {r['layer']} | {r['stage']} | {r['sparsity']:.2f} | {r['sparse_ms']:.1f} | "
-                f"{r.get('sparse_inplace_ms', '')} | {r.get('spconv_subm_ms', '')} |"
+                f"| {r['stage']} | {r['sparsity']:.2f} | {r['sparse_ms']:.1f} | {r['spconv_subm_ms']} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -420,7 +439,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv, DEFAULTS, USAGE)
     if args["threads"] > 0:
         torch.set_num_threads(args["threads"])
-    print(" ".join(HEADER))
     rows = run(args)
     out = Path(args["out"])
     out.parent.mkdir(parents=True, exist_ok=True)

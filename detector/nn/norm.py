@@ -48,18 +48,24 @@ def uses_batch_stats(bn: nn.BatchNorm2d) -> bool:
 
 
 def region_moments(z: torch.Tensor, level: Level, masks: LevelMasks) -> Moments:
-    """Moments of ``z [K, C, e_h, e_w]`` over the tile regions' in-map pixels (``masks.count`` of them)."""
+    """Moments of ``z [K, C, e_h, e_w]`` over the tile regions' in-map pixels (``masks.count`` of them).
+
+    Two passes (mean, then mean squared deviation) over the region's ``[pixels, C]`` rows, a view for a
+    channels-last ``z`` whose region is the whole block; much faster on CPU than ``torch.var_mean``
+    over dims (0, 2, 3) of a channels-last tensor.
+    """
     (ph, pw), (rh, rw) = level.offset, level.region
-    zr = z[:, :, ph : ph + rh, pw : pw + rw]
-    if masks.region is None:
-        var, mean = torch.var_mean(zr, dim=(0, 2, 3), correction=0)
-        return Moments(mean=mean, var=var, count=masks.count)
-    w = masks.region
+    C = z.shape[1]
+    rows = z[:, :, ph : ph + rh, pw : pw + rw].permute(0, 2, 3, 1).reshape(-1, C)
     n = float(masks.count)
-    mean = (zr * w).sum(dim=(0, 2, 3)) / n
-    d = (zr - mean[None, :, None, None]) * w
-    var = (d * d).sum(dim=(0, 2, 3)) / n
-    return Moments(mean=mean, var=var, count=masks.count)
+    if masks.region is None:
+        mean = rows.sum(0) / n
+        d = rows - mean
+        return Moments(mean=mean, var=(d * d).sum(0) / n, count=masks.count)
+    w = masks.region.permute(0, 2, 3, 1).reshape(-1, 1)
+    mean = (rows * w).sum(0) / n
+    d = (rows - mean) * w
+    return Moments(mean=mean, var=(d * d).sum(0) / n, count=masks.count)
 
 
 def combine_moments(parts: list[Moments]) -> Moments:
