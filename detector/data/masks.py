@@ -65,37 +65,34 @@ def _check_radius(radius_m: float, name: str) -> float:
     return r
 
 
-def _dilate_rows(mask: torch.Tensor, half: int) -> torch.Tensor:
-    """[B, H, W] bool: on where some cell within ``half`` columns (same row) is on."""
-    if half == 0:
-        return mask
-    B, H, W = mask.shape
-    # One extra leading zero column so that the window sum is cs[c + 2 half + 1] - cs[c].
-    padded = torch.nn.functional.pad(mask.to(torch.int32), (half + 1, half))
-    cs = padded.cumsum(dim=2)
-    return (cs[..., 2 * half + 1:] - cs[..., : W]) > 0
+def _row_distance(mask: torch.Tensor) -> torch.Tensor:
+    """[B, H, W] int32: per row, the column distance to the nearest on cell of that row (> W if none)."""
+    W = mask.shape[2]
+    idx = torch.arange(W, dtype=torch.int32, device=mask.device).expand_as(mask)
+    far = torch.tensor(2 * W + 2, dtype=torch.int32, device=mask.device)
+    last = torch.where(mask, idx, -far).cummax(dim=2).values  # nearest on cell at or left of c
+    nxt = torch.where(mask, idx, far).flip(2).cummin(dim=2).values.flip(2)  # at or right of c
+    return torch.minimum(idx - last, nxt - idx)
 
 
 def dilate(mask: torch.Tensor, radius_cells: float) -> torch.Tensor:
-    """Binary dilation of ``mask`` [B, H, W] bool by a disk of radius ``radius_cells`` (cell units)."""
+    """Binary dilation of ``mask`` [B, H, W] bool by a disk of radius ``radius_cells`` (cell units).
+
+    A disk is a union of horizontal runs: cell (r, c) is on iff for some |dy| <= radius the row r + dy
+    has an on cell within floor(sqrt(radius² − dy²)) columns of c."""
     if mask.dim() != 3 or mask.dtype != torch.bool:
         raise ValueError(f"dilate expects a [B, H, W] bool tensor, got {tuple(mask.shape)} {mask.dtype}")
     r = int(math.floor(radius_cells + 1e-9))
-    if r <= 0:
+    if r <= 0 or mask.numel() == 0:
         return mask.clone()
     H = mask.shape[1]
-    out = mask.clone()
-    runs: dict[int, torch.Tensor] = {}
-    for dy in range(0, min(r, H - 1) + 1):
+    dist = _row_distance(mask)
+    out = dist <= r
+    for dy in range(1, min(r, H - 1) + 1):
         half = int(math.floor(math.sqrt(max(radius_cells**2 - dy * dy, 0.0)) + 1e-9))
-        if half not in runs:
-            runs[half] = _dilate_rows(mask, half)
-        run = runs[half]
-        if dy == 0:
-            out |= run
-        else:
-            out[:, dy:] |= run[:, : H - dy]
-            out[:, : H - dy] |= run[:, dy:]
+        run = dist <= half
+        out[:, dy:] |= run[:, : H - dy]
+        out[:, : H - dy] |= run[:, dy:]
     return out
 
 
