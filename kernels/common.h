@@ -65,6 +65,9 @@ SBNET_HD void clip(int64_t start, int64_t len, int64_t limit, int64_t& lo, int64
   hi = start + len < limit ? start + len : limit;
 }
 
+// Floor division for possibly negative numerators (positive d).
+SBNET_HD int64_t floor_div(int64_t a, int64_t d) { return a >= 0 ? a / d : -((-a + d - 1) / d); }
+
 // Number of phases along one axis such that blocks of the same phase never overlap:
 // blocks b and b + P are P * stride >= size apart.
 inline int64_t num_phases(int64_t size, int64_t stride) { return (size + stride - 1) / stride; }

@@ -26,6 +26,7 @@ GEOMETRIES = [
     (11, 10, 4, 1, 1, 0),
     (12, 13, (6, 8), (3, 5), 1, (0, 2)),
     (40, 36, 10, 5, 1, 2),  # many blocks: several OpenMP chunks
+    (17, 19, 8, 6, 1, 3),  # bstride 3 < bsize 8: up to 3 x 3 blocks overlap a pixel
 ]
 
 
@@ -150,6 +151,50 @@ def test_scatter_backward_matches_reference(kernels):
             (fn(blocks, idx, base, bp, add) * g).sum().backward()
             grads.append((blocks.grad, base.grad))
         assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+@pytest.mark.parametrize(
+    "bsize, bstride, boffset",
+    [((5, 4), (3, 2), (2, 1)), ((4, 6), (4, 7), (-3, 5)), ((7, 3), (2, 3), (-6, -2))],
+)
+def test_raw_ops_on_arbitrary_grids(kernels, bsize, bstride, boffset):
+    """The raw ops take any grid (positive offsets, gaps, big overlaps): compare with direct loops."""
+    N, C, H, W = 2, 3, 11, 13
+    gen = torch.Generator().manual_seed(sum(bsize + bstride))
+    x = torch.randn((N, C, H, W), generator=gen, dtype=torch.float64)
+    idx = torch.tensor([[n, by, bx] for n in range(N) for by in range(-1, 6) for bx in range(-1, 5)
+                        if (n + by + 2 * bx) % 3], dtype=torch.int32)
+    (bh, bw), (sh, sw), (oh, ow) = bsize, bstride, boffset
+
+    def window(k):  # (n, rows in map, cols in map, rows in block, cols in block)
+        n, by, bx = idx[k].tolist()
+        top, left = oh + by * sh, ow + bx * sw
+        y0, y1, x0, x1 = max(top, 0), min(top + bh, H), max(left, 0), min(left + bw, W)
+        return n, slice(y0, max(y0, y1)), slice(x0, max(x0, x1)), slice(y0 - top, max(y0, y1) - top), \
+            slice(x0 - left, max(x0, x1) - left)
+
+    blocks = kernels.sparse_gather(x, idx, list(bsize), list(bstride), list(boffset))
+    expected = torch.zeros((idx.shape[0], C, bh, bw), dtype=torch.float64)
+    for k in range(idx.shape[0]):
+        n, ys, xs, bys, bxs = window(k)
+        expected[k, :, bys, bxs] = x[n, :, ys, xs]
+    assert torch.equal(blocks, expected)
+
+    g = torch.randint(-4, 5, (idx.shape[0], C, bh, bw), generator=gen).double()
+    adjoint = torch.zeros_like(x)
+    for k in range(idx.shape[0]):
+        n, ys, xs, bys, bxs = window(k)
+        adjoint[n, :, ys, xs] += g[k, :, bys, bxs]
+    got = kernels.sparse_gather_backward(g, idx, [N, C, H, W], list(bstride), list(boffset))
+    assert torch.equal(got, adjoint)
+
+    if sh >= bh and sw >= bw:  # non-overlapping tiles: scatter too
+        for add in (True, False):
+            expected = x.clone()
+            for k in range(idx.shape[0]):
+                n, ys, xs, bys, bxs = window(k)
+                expected[n, :, ys, xs] = g[k, :, bys, bxs] + (expected[n, :, ys, xs] if add else 0)
+            assert torch.equal(kernels.sparse_scatter(g, idx, x, list(bstride), list(boffset), add), expected)
 
 
 def test_k_zero_everywhere(kernels):

@@ -2,10 +2,11 @@
 //
 // Gather: OpenMP over K * C (block, channel) planes; each block row is one memcpy of its in-map
 // segment plus zero fills of the parts outside the map (the input is never padded).
-// Adjoint (gather's gradient): zeros like x, then each block added at its window. Windows overlap
-// by the halo, so blocks are processed in phases (by mod P, bx mod Q) whose members never overlap:
-// within a phase the K * C planes run in parallel without races, and every pixel receives its
-// contributions in the same fixed phase order whatever the thread count (deterministic).
+// Adjoint (gather's gradient): zeros like x plus each block added at its window. Windows overlap by
+// the halo; the work is split into (n, c, row band) tasks in one parallel region (cpu/bands.h): a
+// task zero-fills its rows, then adds the parts of the blocks that reach into them, sequentially in
+// the fixed phase order (by mod P, bx mod Q). No races, and every pixel's sum has the same order
+// whatever the thread count (deterministic) -- the same order as the CUDA kernel.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "common.h"
+#include "cpu/bands.h"
 
 namespace sbnet {
 namespace {
@@ -82,44 +84,55 @@ at::Tensor sparse_gather_backward_cpu(const at::Tensor& grad_blocks, const at::T
   const int64_t K = indices.size(0);
   TORCH_CHECK(grad_blocks.size(0) == K && grad_blocks.size(1) == C, op, ": grad_blocks ", grad_blocks.sizes(),
               " does not match ", K, " indices and ", C, " channels");
-  at::Tensor out = at::zeros(input_size, grad_blocks.options().memory_format(at::MemoryFormat::Contiguous));
-  if (K == 0 || C == 0) return out;
+  const at::TensorOptions opts = grad_blocks.options().memory_format(at::MemoryFormat::Contiguous);
+  if (K == 0 || C == 0) return at::zeros(input_size, opts);
+  at::Tensor out = at::empty(input_size, opts);  // every band is zero-filled by its task below
   const at::Tensor gb = grad_blocks.contiguous();
   const at::Tensor idx = indices.contiguous();
   const int32_t* ip = idx.const_data_ptr<int32_t>();
   check_batch_range_cpu(op, ip, K, N);
   const int64_t bh = g.size_h, bw = g.size_w;
-
-  // Blocks of one phase never overlap; phases run one after another in a fixed order.
+  // Block rows by in [j - P + 1, j] reach into band j; within a band, contributions are added in
+  // phase order (by mod P, bx mod Q) -- the CUDA kernel's order, so both give the same bits.
   const int64_t P = num_phases(bh, g.stride_h), Q = num_phases(bw, g.stride_w);
-  std::vector<std::vector<int64_t>> phase(static_cast<size_t>(P * Q));
-  for (int64_t k = 0; k < K; ++k) {
-    phase[phase_of(ip[3 * k + 1], P) * Q + phase_of(ip[3 * k + 2], Q)].push_back(k);
-  }
+  const RowBands bands(g, H, N, ip, K, P - 1);
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, gb.scalar_type(), "sbnet_gather_bw_cpu", [&] {
     const scalar_t* src = gb.const_data_ptr<scalar_t>();
     scalar_t* dst = out.mutable_data_ptr<scalar_t>();
-    for (const std::vector<int64_t>& members : phase) {
-      const int64_t M = static_cast<int64_t>(members.size());
-      at::parallel_for(0, M * C, grain_for(bh * bw), [&](int64_t begin, int64_t end) {
-        for (int64_t mc = begin; mc < end; ++mc) {
-          const int64_t k = members[mc / C], c = mc % C;
-          const int64_t n = ip[3 * k], top = g.offset_h + ip[3 * k + 1] * g.stride_h,
-                        left = g.offset_w + ip[3 * k + 2] * g.stride_w;
-          int64_t y0, y1, x0, x1;
-          clip(top, bh, H, y0, y1);
-          clip(left, bw, W, x0, x1);
-          const scalar_t* block = src + (k * C + c) * bh * bw;
-          scalar_t* plane = dst + (n * C + c) * H * W;
-          for (int64_t y = y0; y < y1; ++y) {
-            const scalar_t* s = block + (y - top) * bw + (x0 - left);
-            scalar_t* d = plane + y * W;
-            for (int64_t xx = x0; xx < x1; ++xx) d[xx] = d[xx] + s[xx - x0];
+    const int64_t J = bands.count;
+    at::parallel_for(0, N * C * J, std::max<int64_t>(1, 16384 / (g.stride_h * W)), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t n = t / (C * J), c = (t / J) % C, jj = t % J, j = bands.first + jj;
+        int64_t r0, r1;
+        bands.rows(g, H, jj, r0, r1);
+        scalar_t* plane = dst + (n * C + c) * H * W;
+        std::memset(plane + r0 * W, 0, sizeof(scalar_t) * (r1 - r0) * W);
+        for (int64_t py = 0; py < P; ++py) {
+          const int64_t by = j - P + 1 + phase_of(py - (j - P + 1), P);  // the by in [j-P+1, j] of phase py
+          int64_t lo, hi;
+          bands.range(n, by, lo, hi);
+          for (int64_t px = 0; px < Q; ++px) {
+            for (int64_t i = lo; i < hi; ++i) {
+              const int64_t k = bands.blocks[i];
+              if (phase_of(ip[3 * k + 2], Q) != px) continue;
+              const int64_t top = g.offset_h + by * g.stride_h, left = g.offset_w + ip[3 * k + 2] * g.stride_w;
+              int64_t y0, y1, x0, x1;
+              clip(top, bh, H, y0, y1);
+              y0 = std::max(y0, r0);
+              y1 = std::min(y1, r1);
+              clip(left, bw, W, x0, x1);
+              const scalar_t* block = src + (k * C + c) * bh * bw;
+              for (int64_t y = y0; y < y1; ++y) {
+                const scalar_t* s = block + (y - top) * bw + (x0 - left);
+                scalar_t* d = plane + y * W;
+                for (int64_t xx = x0; xx < x1; ++xx) d[xx] = d[xx] + s[xx - x0];
+              }
+            }
           }
         }
-      });
-    }
+      }
+    });
   });
   return out;
 }

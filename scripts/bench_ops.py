@@ -1,0 +1,140 @@
+"""Micro-benchmark of the sbnet CPU kernels against naive pure-PyTorch versions (one run, ratios).
+
+    MALLOC_MMAP_MAX_=0 .venv/bin/python scripts/bench_ops.py [--out benchmarks/ops_cpu.json] [--reps 10]
+
+(MALLOC_MMAP_MAX_=0, as the Makefile sets, keeps large buffers on the heap instead of fresh mmaps
+whose page faults would dominate every allocation-heavy variant.)
+
+For each fraction of randomly chosen active blocks it times, on one BEV-sized feature map:
+- gather:  kernel  vs  naive "pad the whole tensor, then advanced-index the blocks";
+- scatter: kernel (one copy of base, tiles written)  vs  naive "zero output of the padded grid size,
+  index_put the tiles, crop, add to base";
+- backward of gather (kernel's phase-ordered adjoint vs autograd through the naive gather).
+Prints a table (median milliseconds and naive/kernel ratio) and writes the numbers as JSON.
+Timings on a shared machine are noisy: compare ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from detector.ops import BlockParams, _library, calc_block_params, sparse_gather, sparse_scatter
+
+
+@dataclass(frozen=True)
+class Row:
+    op: str
+    active_fraction: float
+    blocks: int
+    kernel_ms: float
+    naive_ms: float
+
+    @property
+    def speedup(self) -> float:
+        return self.naive_ms / self.kernel_ms
+
+
+def naive_gather(x: torch.Tensor, idx: torch.Tensor, bp: BlockParams) -> torch.Tensor:
+    """Pad the whole map (the cost the kernels avoid), then advanced-index every block at once."""
+    pad_h = max(0, (bp.bcount_h - 1) * bp.bstride_h + bp.bsize_h + bp.boffset_h - bp.in_h)
+    pad_w = max(0, (bp.bcount_w - 1) * bp.bstride_w + bp.bsize_w + bp.boffset_w - bp.in_w)
+    xp = F.pad(x, (-bp.boffset_w, pad_w, -bp.boffset_h, pad_h))
+    idx = idx.long()
+    rows = (idx[:, 1:2] * bp.bstride_h + torch.arange(bp.bsize_h)).view(-1, bp.bsize_h, 1)
+    cols = (idx[:, 2:3] * bp.bstride_w + torch.arange(bp.bsize_w)).view(-1, 1, bp.bsize_w)
+    blocks = xp.permute(0, 2, 3, 1)[idx[:, 0].view(-1, 1, 1), rows, cols]  # [K, bh, bw, C]
+    return blocks.permute(0, 3, 1, 2).contiguous()
+
+
+def naive_scatter(
+    blocks: torch.Tensor, idx: torch.Tensor, base: torch.Tensor, bp: BlockParams
+) -> torch.Tensor:
+    """Zero output of the whole padded grid, index_put the tiles, crop, add to base (add=True)."""
+    N, C = base.shape[:2]
+    full = base.new_zeros((N, bp.bcount_h * bp.obsize_h, bp.bcount_w * bp.obsize_w, C))
+    idx = idx.long()
+    rows = (idx[:, 1:2] * bp.obsize_h + torch.arange(bp.obsize_h)).view(-1, bp.obsize_h, 1)
+    cols = (idx[:, 2:3] * bp.obsize_w + torch.arange(bp.obsize_w)).view(-1, 1, bp.obsize_w)
+    full[idx[:, 0].view(-1, 1, 1), rows, cols] = blocks.permute(0, 2, 3, 1)
+    return base + full[:, : bp.out_h, : bp.out_w].permute(0, 3, 1, 2)
+
+
+def median_ms_pair(kernel, naive, reps: int) -> tuple[float, float]:
+    """Median milliseconds of two callables, measured alternately so machine load hits both alike."""
+    kernel(), naive()  # warm-up
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(reps):
+        for fn, out in ((kernel, times[0]), (naive, times[1])):
+            start = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def bench_fraction(
+    x: torch.Tensor, bp: BlockParams, frac: float, reps: int, gen: torch.Generator
+) -> list[Row]:
+    """Rows for gather, scatter-add and gather's backward with a random ``frac`` of the blocks active."""
+    N, C = x.shape[:2]
+    active = torch.rand((N, bp.bcount_h, bp.bcount_w), generator=gen) < frac
+    idx = active.nonzero().to(torch.int32)
+    K = idx.shape[0]
+    assert torch.equal(naive_gather(x, idx, bp), sparse_gather(x, idx, bp))
+    blocks = torch.randn((K, C, bp.obsize_h, bp.obsize_w), generator=gen)
+    torch.testing.assert_close(naive_scatter(blocks, idx, x, bp), sparse_scatter(blocks, idx, x, bp))
+    g = torch.randn((K, C, bp.bsize_h, bp.bsize_w), generator=gen)
+    xk, xn = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yk, yn = sparse_gather(xk, idx, bp), naive_gather(xn, idx, bp)
+    pairs = {
+        "gather": (lambda: sparse_gather(x, idx, bp), lambda: naive_gather(x, idx, bp)),
+        "scatter_add": (lambda: sparse_scatter(blocks, idx, x, bp),
+                        lambda: naive_scatter(blocks, idx, x, bp)),
+        "gather_backward": (lambda: torch.autograd.grad(yk, xk, g, retain_graph=True),
+                            lambda: torch.autograd.grad(yn, xn, g, retain_graph=True)),
+    }
+    return [Row(op, frac, K, *median_ms_pair(kernel, naive, reps)) for op, (kernel, naive) in pairs.items()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/ops_cpu.json"))
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--size", type=int, nargs=4, default=[2, 32, 400, 352], metavar=("N", "C", "H", "W"))
+    args = parser.parse_args()
+    if not _library.load(verbose=True):
+        raise SystemExit(f"sbnet kernels unavailable: {_library.unavailable_reason('cpu')}")
+
+    N, C, H, W = args.size
+    bp = calc_block_params(H, W, bsize=(16, 16), ksize=3, stride=1, padding=1)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn((N, C, H, W), generator=gen)
+    rows = [row for frac in (0.05, 0.2, 0.5, 1.0) for row in bench_fraction(x, bp, frac, args.reps, gen)]
+
+    print(f"\nsbnet CPU kernels vs naive torch, x = [{N}, {C}, {H}, {W}] float32, bsize 16, ksize 3, "
+          f"{torch.get_num_threads()} threads, median of {args.reps}")
+    print(f"{'op':<16} {'active':>6} {'K':>6} {'kernel ms':>10} {'naive ms':>10} {'naive/kernel':>12}")
+    for r in rows:
+        print(f"{r.op:<16} {r.active_fraction:>6.2f} {r.blocks:>6d} {r.kernel_ms:>10.3f} {r.naive_ms:>10.3f} "
+              f"{r.speedup:>12.2f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "size": [N, C, H, W], "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(), "reps": args.reps,
+        "rows": [dict(asdict(r), speedup=r.speedup) for r in rows],
+    }, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
