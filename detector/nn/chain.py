@@ -401,8 +401,8 @@ class SparseConvChain(nn.Module):
                     update_running_stats(slots[j], m)
                 return out
             tiles, new = self._run_blocks(self._gather(x, idx, geo), geo, masks[0], known, collect=False)
-            # in place (inference): into a fresh zero base, or into the caller's x when it gave it away
-            write_in_place = not grad and (base is not x or inplace)
+            # in place: into a fresh zero base, or (inference) into the caller's x when it gave it away
+            write_in_place = base is not x or (not grad and inplace)
             out = scatter_blocks(tiles, idx, base, geo.block, add=add, inplace=write_in_place)
             for j, m in new.items():
                 update_running_stats(slots[j], m)
@@ -432,7 +432,7 @@ class SparseConvChain(nn.Module):
                     for ic, mc in zip(idx_chunks, masks, strict=True)
                 ]
             )
-            out = scatter_blocks(tiles, idx, base, geo.block, add=add, inplace=False)
+            out = scatter_blocks(tiles, idx, base, geo.block, add=add, inplace=base is not x)
         else:
             out = base.clone() if base is x else base
             for ic, mc in zip(idx_chunks, masks, strict=True):

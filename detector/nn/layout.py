@@ -81,12 +81,15 @@ def _tile_rows(idx: torch.Tensor, bp: BlockParams, n_batch: int) -> tuple[torch.
 def scatter_blocks(
     blocks: torch.Tensor, indices: torch.Tensor, base: torch.Tensor, bp: BlockParams, add: bool, inplace: bool
 ) -> torch.Tensor:
-    """``sparse_scatter`` (or, with ``inplace``, ``sparse_scatter_`` into ``base``) for either layout.
+    """``sparse_scatter`` for either layout; with ``inplace``, written into ``base`` itself.
 
-    The result has ``base``'s layout. ``inplace`` is for inference (no autograd through it).
+    The result has ``base``'s layout. ``inplace`` is for a base the caller owns: any base without
+    autograd, or a fresh base (e.g. zeros) that does not require grad - for NHWC maps autograd records
+    the in-place write; NCHW maps then fall back to the copying op (``sparse_scatter_`` is inference-only).
     """
     if not is_nhwc(base):
-        if inplace:
+        needs_graph = torch.is_grad_enabled() and (blocks.requires_grad or base.requires_grad)
+        if inplace and not needs_graph:
             return sparse_scatter_(blocks, indices, base, bp, add=add)
         return sparse_scatter(blocks, indices, base, bp, add=add)
     N, C, Ho, Wo = base.shape

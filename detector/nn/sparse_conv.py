@@ -139,14 +139,11 @@ class SparseBlockConv2d(nn.Conv2d):
         )
         chunk = max(1, int(self.memory_budget_mb * 2**20) // per_block)
         if K <= chunk:
-            grad = torch.is_grad_enabled()
-            return scatter_blocks(
-                self._blocks(x, idx, bp), idx, base, bp, add=True, inplace=fresh and not grad
-            )
+            return scatter_blocks(self._blocks(x, idx, bp), idx, base, bp, add=True, inplace=fresh)
         chunks = [idx[s : s + chunk] for s in range(0, K, chunk)]
         if torch.is_grad_enabled():
             tiles = torch.cat([checkpoint(self._blocks, x, ic, bp, use_reentrant=False) for ic in chunks])
-            return scatter_blocks(tiles, idx, base, bp, add=True, inplace=False)
+            return scatter_blocks(tiles, idx, base, bp, add=True, inplace=fresh)
         out = base if fresh else base.clone()
         for ic in chunks:
             scatter_blocks(self._blocks(x, ic, bp), ic, out, bp, add=True, inplace=True)
