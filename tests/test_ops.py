@@ -339,6 +339,24 @@ def test_clear_errors(kernels, setup, call, exc, match):
         call(*setup)
 
 
+def test_index_checks_are_remembered_until_an_inplace_change(kernels, setup):
+    """Checked (or reduce_mask-made) indices skip the re-check (a device sync) on later calls; an
+    in-place change bumps their version, so the next call checks again."""
+    bp, idx, x, blocks = setup
+    idx = idx.clone()
+    ops.sparse_gather(x, idx, bp)
+    idx[1, 0] = 5
+    with pytest.raises(ValueError, match="column n out of range"):
+        ops.sparse_gather(x, idx, bp)
+    made = ops.reduce_mask(torch.ones(2, 1, 12, 10), bp, 0.5)
+    assert ops.sparse_gather(x, made, bp).shape[0] == bp.num_blocks * 2
+    with pytest.raises(ValueError, match="column n out of range"):
+        ops.sparse_gather(x[:1], made, bp)  # remembered for batch 2 only
+    made[0, 2] = -1
+    with pytest.raises(ValueError, match="column bx out of range"):
+        ops.sparse_gather(x, made, bp)
+
+
 def test_raw_op_checks_batch_index(kernels, setup):
     """The C++ ops re-check what memory safety needs even when called directly."""
     bp, idx, x, blocks = setup

@@ -23,6 +23,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import reference
 from .blocks import BlockParams
@@ -65,6 +66,9 @@ def _check_indices(
         raise TypeError(f"{op}: indices must be int32 (or int64), got {indices.dtype}")
     if indices.device != device:
         raise ValueError(f"{op}: indices are on {indices.device} but the data is on {device}")
+    key = (batch, bp.bcount_h, bp.bcount_w)
+    if _known_valid(indices, key):
+        return indices
     if indices.shape[0] > 0:
         idx = indices.long()
         # One device sync for all checks: per-column min and max, and whether a row repeats.
@@ -81,7 +85,33 @@ def _check_indices(
                 )
         if has_dup:
             raise ValueError(f"{op}: indices contain repeated rows; each (n, by, bx) must appear once")
-    return indices.to(torch.int32).contiguous()
+    out = indices.to(torch.int32).contiguous()
+    _remember_valid(out, key)
+    return out
+
+
+# Index tensors already checked (or made by reduce_mask) for a (batch, bcount_h, bcount_w), at their
+# current version: the checks cost a device sync, and a model passes the same indices to many ops.
+# An in-place change bumps the tensor's version and so forgets it. Inference tensors have no version
+# counter and are checked on every call.
+_valid_indices: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _known_valid(indices: torch.Tensor, key: tuple[int, int, int]) -> bool:
+    if indices.is_inference() or indices.dtype != torch.int32 or not indices.is_contiguous():
+        return False
+    entry = _valid_indices.get(indices)
+    return entry is not None and entry[0] == indices._version and key in entry[1]
+
+
+def _remember_valid(indices: torch.Tensor, key: tuple[int, int, int]) -> None:
+    if indices.is_inference():
+        return
+    entry = _valid_indices.get(indices)
+    if entry is None or entry[0] != indices._version:
+        entry = (indices._version, set())
+        _valid_indices[indices] = entry
+    entry[1].add(key)
 
 
 # --------------------------------------------------------------------------------------- dispatch
@@ -131,11 +161,14 @@ def reduce_mask(mask: torch.Tensor, bp: BlockParams, tol: float = 0.5, avgpool: 
     if isinstance(tol, bool) or not isinstance(tol, (int, float)):
         raise TypeError(f"{op}: tol must be a float, got {type(tol).__name__}")
     if _kernels_for(mask.device):
-        return torch.ops.sbnet.reduce_mask(
+        indices = torch.ops.sbnet.reduce_mask(
             mask.contiguous(), list(bp.bsize), list(bp.bstride), list(bp.boffset), list(bp.bcount),
             float(tol), bool(avgpool),
         )
-    return reference.reduce_mask(mask, bp, float(tol), bool(avgpool))
+    else:
+        indices = reference.reduce_mask(mask, bp, float(tol), bool(avgpool))
+    _remember_valid(indices, (mask.shape[0], bp.bcount_h, bp.bcount_w))  # valid by construction
+    return indices
 
 
 def sparse_gather(x: torch.Tensor, indices: torch.Tensor, bp: BlockParams) -> torch.Tensor:
