@@ -454,3 +454,20 @@ def test_inplace_inference_writes_into_x(v, layout):
         y = u(x2, blocks=blocks, inplace=True)
     assert y is x2
     torch.testing.assert_close(y, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cumulative_momentum_running_stats_over_steps(layout):
+    """momentum=None (cumulative average) over two steps: the same running statistics as the dense unit."""
+    v = (True, False, 2, True)
+    u = make_unit(v).train()
+    for bn in u._slots:
+        bn.momentum = None
+    twin = copy.deepcopy(u)
+    for step in range(2):
+        x, xd = make_x(20 + step, layout)
+        u(x, mask=torch.ones(N, 1, H, W))
+        twin(xd)
+    for (name, b), bd in zip(u.named_buffers(), twin.buffers(), strict=True):
+        torch.testing.assert_close(b, bd, atol=ATOL, rtol=0, msg=name)
+    assert int(u.bns[0].num_batches_tracked) == 2

@@ -56,6 +56,7 @@ from .geometry import BlockSpan, ChainGeometry, ConvSpec, LevelMasks, chain_geom
 from .layout import ResidualBlocks, gather_blocks, is_nhwc, scatter_blocks, zeros_like_layout
 from .norm import (
     Moments,
+    batch_norm_native,
     check_count,
     combine_moments,
     region_moments,
@@ -117,7 +118,7 @@ class SparseConvChain(nn.Module):
         block_size: int | tuple[int, int] = 16,
         tol: float = 0.5,
         avgpool: bool = False,
-        memory_budget_mb: float = 256.0,
+        memory_budget_mb: float = 1024.0,
         channels_last: bool = True,
         name: str = "SparseConvChain",
     ) -> None:
@@ -288,7 +289,21 @@ class SparseConvChain(nn.Module):
         def norm(j: int, z: torch.Tensor) -> torch.Tensor:
             bn = slots[j]
             if uses_batch_stats(bn):
-                m = known[j] or new.get(j) or moments(j, z)
+                m = known[j] or new.get(j)
+                if m is None:
+                    level = self._slot_levels[j]
+                    lvl, lm = lv[level], masks[level]
+                    if (
+                        not collect
+                        and lvl.offset == (0, 0)
+                        and lvl.region == lvl.extent
+                        and lm.region is None
+                    ):
+                        # the tile region is the whole block, all in the map: nn.BatchNorm2d's own fused
+                        # kernel gives the same statistics (and updates the running ones)
+                        check_count(f"{self.name}.bn[{j}]", lm.count)
+                        return batch_norm_native(bn, z)
+                    m = moments(j, z)
                 s, t = scale_shift(bn, m.mean, m.var)
             else:
                 s, t = running_scale_shift(bn)

@@ -17,12 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .geometry import Level, LevelMasks
 
 __all__ = [
     "Moments",
+    "batch_norm_native",
     "uses_batch_stats",
     "region_moments",
     "combine_moments",
@@ -101,6 +103,16 @@ def check_count(bn_name: str, count: int) -> None:
         raise ValueError(
             f"{bn_name}: batch-norm in training mode needs more than 1 active pixel per channel, got {count}"
         )
+
+
+def batch_norm_native(bn: nn.BatchNorm2d, z: torch.Tensor) -> torch.Tensor:
+    """``bn(z)`` with batch statistics of all of ``z`` - exactly what ``nn.BatchNorm2d.forward`` does in
+    training mode, running statistics included - for blocks whose tile region is the whole block."""
+    if bn.training and bn.track_running_stats:
+        bn.num_batches_tracked.add_(1)
+        f = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+        return F.batch_norm(z, bn.running_mean, bn.running_var, bn.weight, bn.bias, True, f, bn.eps)
+    return F.batch_norm(z, None, None, bn.weight, bn.bias, True, 0.0, bn.eps)
 
 
 @torch.no_grad()

@@ -64,7 +64,7 @@ class SparseResidualUnit(SparseConvChain):
         block_size: int | tuple[int, int] = 16,
         tol: float = 0.5,
         avgpool: bool = False,
-        memory_budget_mb: float = 256.0,
+        memory_budget_mb: float = 1024.0,
         channels_last: bool = True,
     ) -> None:
         if stride not in (1, 2):
@@ -152,7 +152,7 @@ class SparseResNet(nn.Module):
         preact: bool = False,
         block_size: int | str | Sequence[int | str] = 16,
         tol: float = 0.5,
-        memory_budget_mb: float = 256.0,
+        memory_budget_mb: float = 1024.0,
         channels_last: bool = True,
         tuner: BlockSizeTuner | None = None,
     ) -> None:

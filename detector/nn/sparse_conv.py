@@ -47,7 +47,7 @@ class SparseBlockConv2d(nn.Conv2d):
         block_size: int | tuple[int, int] = 16,
         tol: float = 0.5,
         avgpool: bool = False,
-        memory_budget_mb: float = 256.0,
+        memory_budget_mb: float = 1024.0,
         channels_last: bool = True,
     ) -> None:
         ks = (kernel_size, kernel_size) if isinstance(kernel_size, int) else tuple(kernel_size)
