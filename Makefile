@@ -6,7 +6,9 @@ PYTHON := $(BIN)/python
 # CPU wheel of torch that lies on our machines; pyproject.toml admits any torch >= 2.4 (e.g. a CUDA build).
 TORCH_PIN ?= torch==2.13.0
 DATA ?= data/sim_kitti
+# Large fresh allocations pay page faults on our machines: keep freed memory in the heap (see benchmarks).
 export MALLOC_MMAP_MAX_ ?= 0
+export MALLOC_TRIM_THRESHOLD_ ?= 4000000000
 
 .PHONY: setup sysdeps train test test-all data kernels kernels-cuda bench lint clean
 
