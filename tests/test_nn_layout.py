@@ -88,8 +88,8 @@ def test_nchw_maps_go_through_the_ops_and_give_channels_last_blocks():
 
 
 @pytest.mark.parametrize("grad_layout", ["nchw", "nhwc"])
-@pytest.mark.parametrize("add", [False, True], ids=["write", "add"])
-def test_residual_blocks_equal_separate_gather_and_scatter(add, grad_layout):
+@pytest.mark.parametrize("mode", ["write", "add", "add_relu"])
+def test_residual_blocks_equal_separate_gather_and_scatter(mode, grad_layout):
     """The fused residual gather/scatter: same values and gradients, and the output gradient untouched."""
     from detector.nn.layout import ResidualBlocks
 
@@ -101,11 +101,14 @@ def test_residual_blocks_equal_separate_gather_and_scatter(add, grad_layout):
 
     def fused():
         rb = ResidualBlocks(x, idx, bp, bp)
-        return rb.scatter(torch.nn.functional.conv2d(rb.gather(), w), add)
+        return rb.scatter(torch.nn.functional.conv2d(rb.gather(), w), mode)
 
     def separate():
-        tiles = torch.nn.functional.conv2d(gather_blocks(x, idx, bp), w)
-        return scatter_blocks(tiles, idx, x, bp, add=add, inplace=False)
+        xb = gather_blocks(x, idx, bp)
+        tiles = torch.nn.functional.conv2d(xb, w)
+        if mode == "add_relu":  # relu(x + tile) on the tiles: x's tile pixels are the blocks' centres
+            tiles = torch.relu(tiles + xb[:, :, 2:-2, 2:-2])
+        return scatter_blocks(tiles, idx, x, bp, add=mode == "add", inplace=False)
 
     yf, ys = fused(), separate()
     torch.testing.assert_close(yf, ys, atol=0, rtol=0)

@@ -260,8 +260,12 @@ class SparseConvChain(nn.Module):
         masks: list[LevelMasks],
         known: list[Moments | None],
         collect: bool,
+        skip_identity: bool = False,
     ) -> tuple[torch.Tensor | None, dict[int, Moments]]:
         """Run the chain on gathered blocks ``xb [K, C, e_0, e_0]``.
+
+        Returns the output tiles, or with ``skip_identity`` (post-activation identity unit) the last
+        BN's output before the shortcut and ReLU (the residual scatter then does ``relu(x + tile)``).
 
         BN slot ``j`` normalizes with ``known[j]`` when given, else with the moments of this call's
         blocks (returned in the dict; for a single chunk). With ``collect``, stops at the first chain
@@ -363,6 +367,8 @@ class SparseConvChain(nn.Module):
             if i < L - 1:
                 a = relu_zero(b, i + 1, self.specs[i + 1].ksize)
         if self.shortcut == "identity":
+            if skip_identity:
+                return b, new
             sc = xb[:, :, p0h : p0h + th, p0w : p0w + tw]
         return F.relu_(b + sc if sc is not None else b), new
 
@@ -410,8 +416,11 @@ class SparseConvChain(nn.Module):
         if len(idx_chunks) == 1:
             if grad and self.shortcut == "identity" and is_nhwc(x):  # one map-sized gradient pass for x
                 residual = ResidualBlocks(x, idx, geo.block, geo.block)
-                tiles, new = self._run_blocks(residual.gather(), geo, masks[0], known, collect=False)
-                out = residual.scatter(tiles, add=add)
+                post = not self.preact  # relu(x + b) done by the scatter: no slice of the blocks for x
+                tiles, new = self._run_blocks(
+                    residual.gather(), geo, masks[0], known, collect=False, skip_identity=post
+                )
+                out = residual.scatter(tiles, "add_relu" if post else "add")
                 for j, m in new.items():
                     update_running_stats(slots[j], m)
                 return out

@@ -154,11 +154,18 @@ class _ResidualGather(torch.autograd.Function):
         return gx.view(n, h, w, c).permute(0, 3, 1, 2), None, None, None, None
 
 
+WRITE, ADD, ADD_RELU = "write", "add", "add_relu"  # how a residual scatter combines a tile with x
+
+
 class _ResidualScatter(torch.autograd.Function):
-    """Scatter of NHWC tiles into a copy of ``x`` whose ``x``-gradient is left to the gather's backward."""
+    """Scatter of NHWC tiles into a copy of ``x`` whose ``x``-gradient is finished by the gather's backward.
+
+    ``mode``: ``write`` (tile replaces x), ``add`` (x + tile) or ``add_relu`` (relu(x + tile): the
+    post-activation shortcut fused into the scatter, so the unit needs no slice of its gathered input).
+    """
 
     @staticmethod
-    def forward(ctx, tiles, x, tile_flat, tile_valid, add, link):  # noqa: ANN001, ANN205
+    def forward(ctx, tiles, x, tile_flat, tile_valid, mode, link):  # noqa: ANN001, ANN205
         n, c, h, w = x.shape
         src = tiles.permute(0, 2, 3, 1).reshape(-1, c)
         if tile_valid is not None:
@@ -167,17 +174,27 @@ class _ResidualScatter(torch.autograd.Function):
         else:
             rows_idx = tile_flat
         out = _rows(x).clone()
-        (out.index_add_ if add else out.index_copy_)(0, rows_idx, src)
-        ctx.save_for_backward(rows_idx, tile_valid)
-        ctx.add, ctx.link, ctx.tiles_shape = add, link, tiles.shape
+        positive = None
+        if mode == ADD:
+            out.index_add_(0, rows_idx, src)
+        elif mode == WRITE:
+            out.index_copy_(0, rows_idx, src)
+        else:
+            r = out.index_select(0, rows_idx).add_(src).relu_()
+            out.index_copy_(0, rows_idx, r)
+            positive = r > 0
+        ctx.save_for_backward(rows_idx, tile_valid, positive)
+        ctx.mode, ctx.link, ctx.tiles_shape = mode, link, tiles.shape
         return out.view(n, h, w, c).permute(0, 3, 1, 2)
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: ANN001, ANN205
-        rows_idx, tile_valid = ctx.saved_tensors
+        rows_idx, tile_valid, positive = ctx.saved_tensors
         k, c, th, tw = ctx.tiles_shape
         go = _rows(grad_out)
         picked = go.index_select(0, rows_idx)
+        if positive is not None:
+            picked.mul_(positive)
         if tile_valid is not None:
             g = picked.new_zeros((k * th * tw, c))
             g[tile_valid] = picked
@@ -185,12 +202,14 @@ class _ResidualScatter(torch.autograd.Function):
             g = picked
         grad_tiles = g.view(k, th, tw, c).permute(0, 3, 1, 2)
         if ctx.needs_input_grad[1]:
-            # x's gradient: the output gradient (tiles zeroed when they were written), finished by the
-            # gather's backward. `go` is a view of grad_out for channels-last grads (copy it), else a copy
-            # already (never modify grad_out: autograd may hand the same tensor to other functions).
+            # x's gradient: the output gradient with the tiles' part replaced (written: 0; relu(x + t):
+            # the relu-masked gradient), finished by the gather's backward. `go` is a view of grad_out
+            # for channels-last grads (copy it), else already a copy (never modify grad_out).
             gx = go.clone() if go.data_ptr() == grad_out.data_ptr() else go
-            if not ctx.add:
+            if ctx.mode == WRITE:
                 gx.index_fill_(0, rows_idx, 0)
+            elif ctx.mode == ADD_RELU:
+                gx.index_copy_(0, rows_idx, picked)
             ctx.link.grad_out = gx
         return grad_tiles, None, None, None, None, None
 
@@ -225,6 +244,12 @@ class ResidualBlocks:
             valid = (vr[:, :, None, None] & vc[:, None, :, None]).to(x.dtype)
         return _ResidualGather.apply(x, flat, valid, (bp.bsize_h, bp.bsize_w), self.link)
 
-    def scatter(self, tiles: torch.Tensor, add: bool) -> torch.Tensor:
+    def scatter(self, tiles: torch.Tensor, mode: str) -> torch.Tensor:
+        """The output: ``x`` with each tile written (``"write"``), added (``"add"``) or combined as
+        ``relu(x + tile)`` (``"add_relu"``)."""
+        if mode not in (WRITE, ADD, ADD_RELU):
+            raise ValueError(
+                f"ResidualBlocks.scatter: mode must be 'write', 'add' or 'add_relu', got {mode!r}"
+            )
         flat, valid = _tile_rows(self.indices, self.scatter_bp, self.x.shape[0])
-        return _ResidualScatter.apply(tiles, self.x, flat, valid, add, self.link)
+        return _ResidualScatter.apply(tiles, self.x, flat, valid, mode, self.link)
