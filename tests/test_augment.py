@@ -285,15 +285,6 @@ def test_augmentor_is_deterministic_and_consistent():
         aug(frame, 42)
 
 
-def _road_lookup(road: RoadMap, xy: np.ndarray) -> np.ndarray:
-    c = np.floor((xy[:, 0] - road.x_min) / road.resolution).astype(int)
-    r = np.floor((xy[:, 1] - road.y_min) / road.resolution).astype(int)
-    ok = (r >= 0) & (r < road.raster.shape[0]) & (c >= 0) & (c < road.raster.shape[1])
-    out = np.zeros(len(xy), bool)
-    out[ok] = road.raster[r[ok], c[ok]]
-    return out
-
-
 @pytest.mark.parametrize("op", [GlobalFlip(1.0), GlobalRotation(math.pi), GlobalScaling(0.7, 1.3)])
 def test_road_map_follows_global_ops(op):
     rng = np.random.default_rng(0)
@@ -307,7 +298,7 @@ def test_road_map_follows_global_ops(op):
     frame = Frame("000000", pts, make_calib(), Boxes3D.empty(), np.zeros(0, "<U16"), None, road)
     for seed in range(4):
         out = op(frame, np.random.default_rng(seed))
-        np.testing.assert_array_equal(_road_lookup(out.road_map, out.points[:, :2]), blocks.ravel())
+        np.testing.assert_array_equal(out.road_map.lookup(out.points[:, 0], out.points[:, 1]), blocks.ravel())
 
 
 # --------------------------------------------------------------------------------------------------

@@ -110,7 +110,7 @@ def test_road_map_mask_dilation_radius_and_sparsity():
     road = RoadMap(raster, GRID.x_range[0], GRID.y_range[0], GRID.resolution)
     far_away = RoadMap(np.ones((2, 2), bool), 100.0, 100.0, 1.0)
     batch = collate_frames([_frame(road=road), _frame(road=far_away)])
-    res = RoadMapMask(dilation_m=0.5)(batch, GRID)  # 2.5 cells
+    res = RoadMapMask(dilation_m=0.5, downsample=1)(batch, GRID)  # 2.5 cells
     assert res.mask.shape == (2, 1, GRID.H, GRID.W) and res.mask.dtype == torch.float32
     rr, cc = np.nonzero(res.mask[0, 0].numpy())
     d2 = (rr - 30) ** 2 + (cc - 20) ** 2
@@ -121,7 +121,20 @@ def test_road_map_mask_dilation_radius_and_sparsity():
     n = GRID.H * GRID.W
     assert res.frame_sparsity == pytest.approx([1 - 21 / n, 1.0])
     assert res.sparsity == pytest.approx(1 - 21 / (2 * n))
-    assert RoadMapMask(dilation_m=0.0)(batch, GRID).mask[0].sum() == 1
+    assert RoadMapMask(dilation_m=0.0, downsample=1)(batch, GRID).mask[0].sum() == 1
+
+
+def test_road_map_mask_on_a_coarser_grid_differs_only_at_the_border():
+    raster = np.zeros((GRID.H, GRID.W), bool)
+    raster[20:50, :] = True  # a road band along x
+    road = RoadMap(raster, GRID.x_range[0], GRID.y_range[0], GRID.resolution)
+    batch = collate_frames([_frame(road=road)])
+    fine = RoadMapMask(dilation_m=1.0, downsample=1)(batch, GRID).mask[0, 0].numpy() > 0
+    coarse = RoadMapMask(dilation_m=1.0, downsample=4)(batch, GRID).mask[0, 0].numpy() > 0
+    diff_rows = np.nonzero((fine != coarse).any(axis=1))[0]
+    border = np.nonzero(fine.any(axis=1))[0][[0, -1]]
+    assert all(min(abs(r - border[0]), abs(r - border[1])) < 4 for r in diff_rows)
+    assert coarse[25:45].all()
 
 
 def test_road_map_mask_without_road_map_raises_clear_error():

@@ -119,52 +119,24 @@ def _on_road(road: RoadMap, boxes: np.ndarray) -> np.ndarray:
         return np.zeros(0, dtype=bool)
     corners = Boxes3D(torch.from_numpy(np.asarray(boxes, np.float64))).bev_corners().numpy()  # [N, 4, 2]
     pts = np.concatenate([np.asarray(boxes, np.float64)[:, None, :2], corners], axis=1)  # [N, 5, 2]
-    rows, cols = road.raster.shape
-    c = np.floor((pts[..., 0] - road.x_min) / road.resolution).astype(np.int64)
-    r = np.floor((pts[..., 1] - road.y_min) / road.resolution).astype(np.int64)
-    ok = (r >= 0) & (r < rows) & (c >= 0) & (c < cols)
-    hit = np.zeros(pts.shape[:2], dtype=bool)
-    hit[ok] = road.raster[r[ok], c[ok]]
-    return hit.any(axis=1)
+    return road.lookup(pts[..., 0], pts[..., 1]).any(axis=1)
 
 
 # --------------------------------------------------------------------------------------------------
-# Road-map transforms (the raster follows the global transforms)
+# Road-map transforms: the raster follows the global transforms by composing its coordinate map
+# (O(1): the raster is never resampled).
 # --------------------------------------------------------------------------------------------------
 def flip_road_map(road: RoadMap) -> RoadMap:
-    rows = road.raster.shape[0]
-    y_min = -(road.y_min + rows * road.resolution)
-    return RoadMap(road.raster[::-1].copy(), road.x_min, y_min, road.resolution)
+    return road.transformed(np.diag([1.0, -1.0]))
 
 
 def scale_road_map(road: RoadMap, factor: float) -> RoadMap:
-    return RoadMap(road.raster.copy(), road.x_min * factor, road.y_min * factor, road.resolution * factor)
+    return road.transformed(np.eye(2) * factor)
 
 
 def rotate_road_map(road: RoadMap, angle: float) -> RoadMap:
-    """The raster rotated by ``angle`` about the origin, resampled (nearest) on an axis-aligned raster of
-    the same resolution covering the rotated extent."""
-    res = road.resolution
-    rows, cols = road.raster.shape
-    x0, y0 = road.x_min, road.y_min
-    x1, y1 = x0 + cols * res, y0 + rows * res
-    corners = np.array([[x0, y0], [x1, y0], [x0, y1], [x1, y1]])
-    rc = _rotate_xy(corners, angle)
-    lo, hi = rc.min(axis=0), rc.max(axis=0)
-    ncols = max(int(math.ceil((hi[0] - lo[0]) / res)), 1)
-    nrows = max(int(math.ceil((hi[1] - lo[1]) / res)), 1)
-    xs = lo[0] + (np.arange(ncols) + 0.5) * res
-    ys = lo[1] + (np.arange(nrows) + 0.5) * res
     c, s = math.cos(angle), math.sin(angle)
-    # Source position of each output centre: rotate back by -angle (separable in x and y).
-    sx = c * xs[None, :] + s * ys[:, None]
-    sy = -s * xs[None, :] + c * ys[:, None]
-    ci = np.floor((sx - x0) / res).astype(np.int64)
-    ri = np.floor((sy - y0) / res).astype(np.int64)
-    ok = (ri >= 0) & (ri < rows) & (ci >= 0) & (ci < cols)
-    out = np.zeros((nrows, ncols), dtype=bool)
-    out[ok] = road.raster[ri[ok], ci[ok]]
-    return RoadMap(out, float(lo[0]), float(lo[1]), res)
+    return road.transformed(np.array([[c, -s], [s, c]]))
 
 
 # --------------------------------------------------------------------------------------------------

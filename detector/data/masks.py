@@ -122,6 +122,11 @@ def resample_road_map(road, grid: BevGrid, device: torch.device | str = "cpu") -
     ``road`` is a :class:`detector.data.kitti.RoadMap` (row r, column c cover y/x in
     [min + k·res, min + (k+1)·res)); any resolution and extent.
     """
+    if road.to_raster is not None:  # augmented: look the cell centres up through the coordinate map
+        f64 = torch.float64
+        rows, cols = torch.meshgrid(torch.arange(grid.H), torch.arange(grid.W), indexing="ij")
+        cx, cy = grid.cell_center(rows, cols, dtype=f64)
+        return torch.from_numpy(road.lookup(cx.numpy(), cy.numpy())).to(device)
     raster = torch.as_tensor(np.ascontiguousarray(road.raster, dtype=bool), device=device)
     rows_r, cols_r = raster.shape
     res = float(road.resolution)
@@ -141,13 +146,21 @@ def resample_road_map(road, grid: BevGrid, device: torch.device | str = "cpu") -
 
 
 class RoadMapMask:
-    """The frame's road map resampled to the grid and dilated by ``dilation_m`` metres."""
+    """The frame's road map resampled to the grid and dilated by ``dilation_m`` metres.
 
-    def __init__(self, dilation_m: float = 2.0):
+    ``downsample``: the mask is computed on a grid ``downsample`` times coarser and repeated to full
+    resolution (the backbone only reads it per block of 8+ cells; 16x fewer cells to resample and dilate
+    at the default 4)."""
+
+    def __init__(self, dilation_m: float = 2.0, downsample: int = 4):
         self.dilation_m = _check_radius(dilation_m, "RoadMapMask.dilation_m")
+        if not isinstance(downsample, int) or downsample < 1:
+            raise ValueError(f"RoadMapMask.downsample must be a positive integer, got {downsample!r}")
+        self.downsample = downsample
 
     def __call__(self, batch: Batch, grid: BevGrid) -> MaskResult:
         device = batch.points.device
+        coarse = grid.downsampled(self.downsample)
         maps = []
         for f in batch.frames:
             if f.road_map is None:
@@ -155,11 +168,13 @@ class RoadMapMask:
                     f"mask=road_map: frame {f.frame_id} has no road map (real KITTI has none; our simulator "
                     "writes road_map/): use mask=predicted, mask=ground or mask=none"
                 )
-            maps.append(resample_road_map(f.road_map, grid, device))
+            maps.append(resample_road_map(f.road_map, coarse, device))
         if not maps:
             return MaskResult.from_mask(torch.zeros(0, 1, grid.H, grid.W, device=device))
-        m = dilate(torch.stack(maps), self.dilation_m / grid.resolution)
-        return MaskResult.from_mask(m[:, None].float())
+        m = dilate(torch.stack(maps), self.dilation_m / coarse.resolution)[:, None].float()
+        if self.downsample > 1:
+            m = m.repeat_interleave(self.downsample, 2).repeat_interleave(self.downsample, 3)
+        return MaskResult.from_mask(m)
 
 
 def _plane_height(xyz: np.ndarray, plane: np.ndarray) -> np.ndarray:
