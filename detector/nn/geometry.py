@@ -128,8 +128,9 @@ class LevelMasks:
     """Per-block validity at one level for a set of active blocks.
 
     ``inmap``: float ``[K, 1, e_h, e_w]`` with 1 where the block pixel lies in the level's map, or None
-    when every pixel of every block does. ``region``: float ``[K, 1, R_h, R_w]`` with 1 where the tile
-    region pixel lies in the map, or None when all do. ``count``: number of in-map tile-region pixels.
+    when every pixel of every block does. ``region``: the in-map tile-region pixels as indices into the
+    ``[K * R_h * R_w]`` region pixels in (block, row, column) order, or None when all are in the map.
+    ``count``: number of in-map tile-region pixels.
     """
 
     inmap: torch.Tensor | None
@@ -194,5 +195,5 @@ def level_masks(
     rx = _axis_valid(bx * rw, rw, W)
     count = int((ry.sum(1) * rx.sum(1)).sum())
     return LevelMasks(
-        inmap=inmap, region=(ry[:, None, :, None] & rx[:, None, None, :]).to(dtype), count=count
+        inmap=inmap, region=(ry[:, :, None] & rx[:, None, :]).reshape(-1).nonzero().flatten(), count=count
     )

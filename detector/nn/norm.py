@@ -59,14 +59,11 @@ def region_moments(z: torch.Tensor, level: Level, masks: LevelMasks) -> Moments:
     (ph, pw), (rh, rw) = level.offset, level.region
     C = z.shape[1]
     rows = z[:, :, ph : ph + rh, pw : pw + rw].permute(0, 2, 3, 1).reshape(-1, C)
+    if masks.region is not None:  # some tile regions stick out of the map: keep the in-map pixels
+        rows = rows.index_select(0, masks.region)
     n = float(masks.count)
-    if masks.region is None:
-        mean = rows.sum(0) / n
-        d = rows - mean
-        return Moments(mean=mean, var=(d * d).sum(0) / n, count=masks.count)
-    w = masks.region.permute(0, 2, 3, 1).reshape(-1, 1)
-    mean = (rows * w).sum(0) / n
-    d = (rows - mean) * w
+    mean = rows.sum(0) / n
+    d = rows - mean
     return Moments(mean=mean, var=(d * d).sum(0) / n, count=masks.count)
 
 
