@@ -51,6 +51,10 @@ def test_cuda_forward_matches_cpu(cuda_kernels, geom, dtype, avgpool):
     idx = ops.reduce_mask(mask.cuda(), bp, 0.25, avgpool)
     assert torch.equal(idx.cpu(), idx_cpu)
     assert torch.equal(idx_cpu, reference.reduce_mask(mask, bp, 0.25, avgpool))
+    if dtype == torch.float64:  # full-precision values: both devices sum in the same order in float64
+        raw = torch.rand((3, 1, H, W), generator=gen, dtype=torch.float64)
+        on_gpu = ops.reduce_mask(raw.cuda(), bp, 0.5, avgpool).cpu()
+        assert torch.equal(on_gpu, ops.reduce_mask(raw, bp, 0.5, avgpool))
 
     x = torch.randn((3, 5, H, W), generator=gen).to(dtype)
     x_nc = x.cuda().permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # non-contiguous on the GPU

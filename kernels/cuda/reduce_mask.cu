@@ -16,6 +16,16 @@
 namespace sbnet {
 namespace {
 
+// float64 value of a mask element (exact for every supported dtype, like the CPU kernel).
+template <typename scalar_t>
+__device__ __forceinline__ double as_double(scalar_t v) {
+  return static_cast<double>(static_cast<float>(v));
+}
+template <>
+__device__ __forceinline__ double as_double<double>(double v) {
+  return v;
+}
+
 template <typename scalar_t>
 __global__ void reduce_mask_kernel(const scalar_t* __restrict__ mask, bool* __restrict__ active, int64_t total,
                                    int64_t H, int64_t W, int64_t bch, int64_t bcw, Grid g, double tol,
@@ -31,7 +41,7 @@ __global__ void reduce_mask_kernel(const scalar_t* __restrict__ mask, bool* __re
       for (int64_t y = y0; y < y1; ++y) {
         const scalar_t* p = mask + (n * H + y) * W;
         for (int64_t x = x0; x < x1; ++x) {
-          const double v = static_cast<double>(static_cast<float>(p[x]));
+          const double v = as_double(p[x]);
           value = avgpool ? value + v : (v > value ? v : value);
         }
       }
