@@ -10,7 +10,7 @@ For each fraction of randomly chosen active blocks it times, on one BEV-sized fe
 - scatter: kernel (one copy of base, tiles written)  vs  naive "zero output of the padded grid size,
   index_put the tiles, crop, add to base";
 - backward of gather (kernel's phase-ordered adjoint vs autograd through the naive gather).
-Prints a table (median milliseconds and naive/kernel ratio) and writes the numbers as JSON.
+Prints a table (median milliseconds and naive/kernel ratio) and writes it as JSON and markdown.
 Timings on a shared machine are noisy: compare ratios within one run.
 """
 
@@ -121,19 +121,25 @@ def main() -> None:
     x = torch.randn((N, C, H, W), generator=gen)
     rows = [row for frac in (0.05, 0.2, 0.5, 1.0) for row in bench_fraction(x, bp, frac, args.reps, gen)]
 
-    print(f"\nsbnet CPU kernels vs naive torch, x = [{N}, {C}, {H}, {W}] float32, bsize 16, ksize 3, "
-          f"{torch.get_num_threads()} threads, median of {args.reps}")
+    title = (f"sbnet CPU kernels vs naive torch, x = [{N}, {C}, {H}, {W}] float32, bsize 16, ksize 3, "
+             f"{torch.get_num_threads()} threads, median of {args.reps}")
+    print(f"\n{title}")
     print(f"{'op':<16} {'active':>6} {'K':>6} {'kernel ms':>10} {'naive ms':>10} {'naive/kernel':>12}")
     for r in rows:
         print(f"{r.op:<16} {r.active_fraction:>6.2f} {r.blocks:>6d} {r.kernel_ms:>10.3f} {r.naive_ms:>10.3f} "
               f"{r.speedup:>12.2f}")
+    table = [f"# {title}", "", "| op | active | K | kernel ms | naive ms | naive/kernel |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    table += [f"| {r.op} | {r.active_fraction:.2f} | {r.blocks} | {r.kernel_ms:.3f} | {r.naive_ms:.3f} "
+              f"| {r.speedup:.2f} |" for r in rows]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "size": [N, C, H, W], "threads": torch.get_num_threads(), "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(), "reps": args.reps,
         "rows": [dict(asdict(r), speedup=r.speedup) for r in rows],
     }, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    args.out.with_suffix(".md").write_text("\n".join(table) + "\n")
+    print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
 
 
 if __name__ == "__main__":
