@@ -131,7 +131,7 @@ def sparse_phases(m, x, mask, bp, backward: bool, reps: int) -> dict[str, float]
     if is_unit:
         geo = m.geometry(x.shape[2], x.shape[3])
         span = BlockSpan.of(idx)
-        masks = [level_masks(idx, lv, x.dtype, span) for lv in geo.levels]
+        masks = [level_masks(idx, lv, span) for lv in geo.levels]
 
         def gather(x_):
             return m._gather(x_, idx, geo)

@@ -212,7 +212,7 @@ def test_tile_regions_partition_every_level(v):
     blocks = every_block(u)
     geo = u.geometry(H, W)
     for lv in geo.levels:
-        m = level_masks(blocks.indices, lv, torch.float64)
+        m = level_masks(blocks.indices, lv)
         assert m.count == N * lv.map_size[0] * lv.map_size[1]
 
 

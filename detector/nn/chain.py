@@ -25,7 +25,17 @@ Correctness details that make the active tiles equal the dense twin:
   are updated once per forward with them (not at all when no block is active).
 
 Eval-mode BN that follows a convolution is folded into the convolution (weight * scale, bias = shift)
-on both paths; the pre-activation unit's input BN is applied as an affine map.
+on both paths; the pre-activation unit's input BN is applied as an affine map. A training-mode BN
+whose tile region is the whole block (no halo at that level, no block past the map border) runs
+``F.batch_norm`` itself - the same statistics, fused kernels.
+
+Layout: blocks are convolved channels-last (oneDNN's fast layout on CPU). Channels-last maps are
+gathered and scattered as NHWC rows (:mod:`detector.nn.layout`); NCHW maps go through
+:mod:`detector.ops` and the blocks are converted. For a channels-last map under autograd, an identity
+unit's gather and scatter are one fused pair (:class:`~detector.nn.layout.ResidualBlocks`): ``x``'s
+gradient is assembled in one map-sized pass, and the post-activation shortcut ``relu(x + tile)`` is
+done by the scatter. Without autograd, ``inplace=True`` lets an identity unit write into its input
+(the backbone does this for its own intermediates) instead of a copy of it.
 
 Memory: the active blocks are processed in chunks of at most ``memory_budget_mb`` of working tensors
 (estimated as 3 x the largest level's ``C * e_h * e_w`` per block, plus the gathered input), so peak
@@ -53,7 +63,7 @@ from detector.ops.blocks import BlockParams
 from detector.ops.functional import reduce_mask, sparse_gather
 
 from .geometry import BlockSpan, ChainGeometry, ConvSpec, LevelMasks, chain_geometry, level_masks
-from .layout import ResidualBlocks, gather_blocks, is_nhwc, scatter_blocks, zeros_like_layout
+from .layout import ResidualBlocks, gather_blocks, is_nhwc, scatter_blocks, zero_pixels, zeros_like_layout
 from .norm import (
     Moments,
     batch_norm_native,
@@ -278,7 +288,6 @@ class SparseConvChain(nn.Module):
         L = len(self.convs)
         (th, tw), S = geo.tile, self.stride
         p0h, p0w = lv[0].offset
-        grad = torch.is_grad_enabled()
 
         def unknown(j: int) -> bool:
             return uses_batch_stats(slots[j]) and known[j] is None and j not in new
@@ -320,15 +329,13 @@ class SparseConvChain(nn.Module):
             s, t = running_scale_shift(bn)
             return F.conv2d(a, conv.weight * s.view(-1, 1, 1, 1), t, stride)
 
-        def zero_outside(a: torch.Tensor, level: int) -> torch.Tensor:
-            m = masks[level].inmap
-            if m is None:
-                return a
-            return a * m if grad and a.requires_grad else a.mul_(m)
-
         def relu_zero(b: torch.Tensor, level: int, next_k: int) -> torch.Tensor:
-            a = F.relu_(b)
-            return zero_outside(a, level) if next_k > 1 else a
+            """ReLU, with the block pixels outside the level's map zeroed first when a k > 1 conv follows
+            (in place: ``b`` comes from a conv, an affine map or batch_norm, none of which saves it)."""
+            outside = masks[level].outside
+            if next_k > 1 and outside is not None:
+                zero_pixels(b, outside)
+            return F.relu_(b)
 
         convs = self.convs
         if self.preact:
@@ -409,7 +416,7 @@ class SparseConvChain(nn.Module):
         masks = []
         for ic in idx_chunks:
             span = BlockSpan.of(ic)
-            masks.append([level_masks(ic, lv, x.dtype, span) for lv in geo.levels])
+            masks.append([level_masks(ic, lv, span) for lv in geo.levels])
         known: list[Moments | None] = [None] * len(slots)
         grad = torch.is_grad_enabled()
 

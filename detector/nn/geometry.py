@@ -127,13 +127,14 @@ def chain_geometry(H: int, W: int, convs: tuple[ConvSpec, ...], tile: int | tupl
 class LevelMasks:
     """Per-block validity at one level for a set of active blocks.
 
-    ``inmap``: float ``[K, 1, e_h, e_w]`` with 1 where the block pixel lies in the level's map, or None
+    ``outside``: the block pixels outside the level's map, as indices into the ``[K * e_h * e_w]`` block
+    pixels in (block, row, column) order, or None
     when every pixel of every block does. ``region``: the in-map tile-region pixels as indices into the
     ``[K * R_h * R_w]`` region pixels in (block, row, column) order, or None when all are in the map.
     ``count``: number of in-map tile-region pixels.
     """
 
-    inmap: torch.Tensor | None
+    outside: torch.Tensor | None
     region: torch.Tensor | None
     count: int
 
@@ -161,9 +162,7 @@ class BlockSpan:
         return BlockSpan(a, b, c, d)
 
 
-def level_masks(
-    indices: torch.Tensor, level: Level, dtype: torch.dtype, span: BlockSpan | None = None
-) -> LevelMasks:
+def level_masks(indices: torch.Tensor, level: Level, span: BlockSpan | None = None) -> LevelMasks:
     """Validity masks of the blocks at ``indices`` ([K, 3] rows n, by, bx) at ``level``.
 
     ``span`` (from :meth:`BlockSpan.of`) lets the common case - no block near the map border - skip
@@ -171,7 +170,7 @@ def level_masks(
     """
     K = int(indices.shape[0])
     if K == 0:
-        return LevelMasks(inmap=None, region=None, count=0)
+        return LevelMasks(outside=None, region=None, count=0)
     if span is None:
         span = BlockSpan.of(indices)
     (eh, ew), (ph, pw), (rh, rw), (H, W) = level.extent, level.offset, level.region, level.map_size
@@ -184,16 +183,16 @@ def level_masks(
     region_inside = span.by_max * rh + rh <= H and span.bx_max * rw + rw <= W
     by = indices[:, 1].long()
     bx = indices[:, 2].long()
-    inmap = None
+    outside = None
     if not block_inside:  # the halo may stick out on any side
         vy = _axis_valid(by * rh - ph, eh, H)
         vx = _axis_valid(bx * rw - pw, ew, W)
-        inmap = (vy[:, None, :, None] & vx[:, None, None, :]).to(dtype)
+        outside = (~(vy[:, :, None] & vx[:, None, :])).reshape(-1).nonzero().flatten()
     if region_inside:
-        return LevelMasks(inmap=inmap, region=None, count=K * rh * rw)
+        return LevelMasks(outside=outside, region=None, count=K * rh * rw)
     ry = _axis_valid(by * rh, rh, H)  # only the bottom/right map border can clip a tile region
     rx = _axis_valid(bx * rw, rw, W)
     count = int((ry.sum(1) * rx.sum(1)).sum())
     return LevelMasks(
-        inmap=inmap, region=(ry[:, :, None] & rx[:, None, :]).reshape(-1).nonzero().flatten(), count=count
+        outside=outside, region=(ry[:, :, None] & rx[:, None, :]).reshape(-1).nonzero().flatten(), count=count
     )

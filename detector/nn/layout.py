@@ -37,6 +37,25 @@ def zeros_like_layout(x: torch.Tensor, shape: tuple[int, int, int, int]) -> torc
     return x.new_zeros(shape)
 
 
+def zero_pixels(t: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:
+    """Zero, in place, the pixels ``pixels`` (indices into ``K * h * w``, (k, row, column) order) of every
+    channel of ``t [K, C, h, w]``; returns ``t``."""
+    k, c, h, w = t.shape
+    if t.is_contiguous(memory_format=torch.channels_last):
+        t.permute(0, 2, 3, 1).view(k * h * w, c).index_fill_(0, pixels, 0)
+    else:
+        hit = torch.zeros(k * h * w, dtype=torch.bool, device=t.device).index_fill_(0, pixels, True)
+        t.masked_fill_(hit.view(k, 1, h, w), 0)
+    return t
+
+
+def _outside(vr: torch.Tensor, vc: torch.Tensor) -> torch.Tensor | None:
+    """Block pixels (indices into ``K * bh * bw``) whose row or column is outside the map; None if none."""
+    if bool(vr.all()) and bool(vc.all()):
+        return None
+    return (~(vr[:, :, None] & vc[:, None, :])).reshape(-1).nonzero().flatten()
+
+
 def _positions(start: torch.Tensor, length: int, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions ``start + arange(length)`` per block ([K, length]), clamped to the map, and validity."""
     pos = start[:, None] + torch.arange(length, device=start.device)
@@ -51,10 +70,10 @@ def _gather_nhwc(x: torch.Tensor, idx: torch.Tensor, bp: BlockParams) -> torch.T
     cols, vc = _positions(idx[:, 2].long() * bp.bstride_w + bp.boffset_w, bp.bsize_w, W)
     flat = ((n[:, None, None] * H + rows[:, :, None]) * W + cols[:, None, :]).reshape(-1)
     rows_c = x.permute(0, 2, 3, 1).reshape(N * H * W, C).index_select(0, flat)
-    blocks = rows_c.view(-1, bp.bsize_h, bp.bsize_w, C)
-    if not (bool(vr.all()) and bool(vc.all())):  # clamped reads outside the map must read as 0
-        blocks = blocks * (vr[:, :, None, None] & vc[:, None, :, None]).to(blocks.dtype)
-    return blocks.permute(0, 3, 1, 2)
+    outside = _outside(vr, vc)
+    if outside is not None:  # clamped reads outside the map must read as 0
+        rows_c = rows_c.index_fill_(0, outside, 0)
+    return rows_c.view(-1, bp.bsize_h, bp.bsize_w, C).permute(0, 3, 1, 2)
 
 
 def gather_blocks(x: torch.Tensor, indices: torch.Tensor, bp: BlockParams) -> torch.Tensor:
@@ -127,23 +146,23 @@ class _ResidualGather(torch.autograd.Function):
     """Gather of NHWC blocks whose backward also carries the residual scatter's gradient into ``x``."""
 
     @staticmethod
-    def forward(ctx, x, flat, valid, bsize, link):  # noqa: ANN001, ANN205 - autograd.Function protocol
+    def forward(ctx, x, flat, outside, bsize, link):  # noqa: ANN001, ANN205 - autograd.Function protocol
         n, c, h, w = x.shape
-        rows = _rows(x).index_select(0, flat).view(-1, bsize[0], bsize[1], c)
-        if valid is not None:
-            rows.mul_(valid)
-        ctx.save_for_backward(flat, valid)
+        rows = _rows(x).index_select(0, flat)
+        if outside is not None:
+            rows.index_fill_(0, outside, 0)
+        rows = rows.view(-1, bsize[0], bsize[1], c)
+        ctx.save_for_backward(flat, outside)
         ctx.shape, ctx.link = (n, c, h, w), link
         return rows.permute(0, 3, 1, 2)
 
     @staticmethod
     def backward(ctx, grad_blocks):  # noqa: ANN001, ANN205
-        flat, valid = ctx.saved_tensors
+        flat, outside = ctx.saved_tensors
         n, c, h, w = ctx.shape
-        g = grad_blocks.permute(0, 2, 3, 1)
-        if valid is not None:
-            g = g * valid
-        g = g.reshape(-1, c)
+        g = grad_blocks.permute(0, 2, 3, 1).reshape(-1, c)
+        if outside is not None:  # clamped reads: no gradient to the border pixels they read
+            g = g.index_fill(0, outside, 0)
         link = ctx.link
         if link.grad_out is not None:  # the residual path: the output gradient, tiles handled by the scatter
             gx = link.grad_out
@@ -239,10 +258,7 @@ class ResidualBlocks:
         rows, vr = _positions(idx[:, 1].long() * bp.bstride_h + bp.boffset_h, bp.bsize_h, H)
         cols, vc = _positions(idx[:, 2].long() * bp.bstride_w + bp.boffset_w, bp.bsize_w, W)
         flat = ((n[:, None, None] * H + rows[:, :, None]) * W + cols[:, None, :]).reshape(-1)
-        valid = None
-        if not (bool(vr.all()) and bool(vc.all())):
-            valid = (vr[:, :, None, None] & vc[:, None, :, None]).to(x.dtype)
-        return _ResidualGather.apply(x, flat, valid, (bp.bsize_h, bp.bsize_w), self.link)
+        return _ResidualGather.apply(x, flat, _outside(vr, vc), (bp.bsize_h, bp.bsize_w), self.link)
 
     def scatter(self, tiles: torch.Tensor, mode: str) -> torch.Tensor:
         """The output: ``x`` with each tile written (``"write"``), added (``"add"``) or combined as

@@ -102,8 +102,8 @@ def _downsample_mask(mask: torch.Tensor) -> torch.Tensor:
 class SparseStage(nn.Module):
     """A list of units (or one conv chain) that share a block size and a mask resolution after the first.
 
-    ``mode`` is an output tile size (sparse) or ``"dense"``; :meth:`forward` returns the output and the
-    mask at the output resolution.
+    :meth:`forward` runs the units sparse given a mask (dense with ``dense=True`` or no mask) and returns
+    the output and the mask at the output resolution (max-pooled after a stride-2 first unit).
     """
 
     def __init__(self, units: Sequence[SparseConvChain]) -> None:
