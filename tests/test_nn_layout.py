@@ -121,3 +121,19 @@ def test_residual_blocks_equal_separate_gather_and_scatter(mode, grad_layout):
     for a, b in zip(gf, gs, strict=True):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
     assert torch.equal(v, v0)
+
+
+def test_workspace_reuse_gives_the_same_blocks():
+    """Gathering into a reused (and growing) workspace: each result equals a fresh gather while alive."""
+    from detector.nn.layout import Workspace
+
+    ws = Workspace()
+    bp = calc_block_params(11, 13, 6, 3, 1, 1)
+    x = torch.randn(2, 5, 11, 13).contiguous(memory_format=CL)
+    for frac, seed in ((0.2, 0), (0.9, 1), (0.4, 2)):
+        idx = random_indices(bp, 2, seed=seed, frac=frac)
+        with torch.no_grad():
+            got = gather_blocks(x, idx, bp, ws)
+        torch.testing.assert_close(got, sparse_gather(x.contiguous(), idx, bp), atol=0, rtol=0)
+    xr = x.clone().requires_grad_(True)  # with autograd the workspace is not used
+    assert gather_blocks(xr, idx, bp, ws).data_ptr() != ws.rows(1, 5, x).data_ptr()

@@ -63,7 +63,15 @@ from detector.ops.blocks import BlockParams
 from detector.ops.functional import reduce_mask, sparse_gather
 
 from .geometry import BlockSpan, ChainGeometry, ConvSpec, LevelMasks, chain_geometry, level_masks
-from .layout import ResidualBlocks, gather_blocks, is_nhwc, scatter_blocks, zero_pixels, zeros_like_layout
+from .layout import (
+    ResidualBlocks,
+    gather_blocks,
+    is_nhwc,
+    scatter_blocks,
+    shared_workspace,
+    zero_pixels,
+    zeros_like_layout,
+)
 from .norm import (
     Moments,
     batch_norm_native,
@@ -380,8 +388,8 @@ class SparseConvChain(nn.Module):
         return F.relu_(b + sc if sc is not None else b), new
 
     def _gather(self, x: torch.Tensor, idx: torch.Tensor, geo: ChainGeometry) -> torch.Tensor:
-        if is_nhwc(x) or self.channels_last:
-            return gather_blocks(x, idx, geo.block)  # channels-last blocks
+        if is_nhwc(x) or self.channels_last:  # channels-last blocks (into the workspace without autograd)
+            return gather_blocks(x, idx, geo.block, None if torch.is_grad_enabled() else shared_workspace())
         return sparse_gather(x, idx, geo.block)
 
     # ----------------------------------------------------------------------------------- sparse

@@ -16,12 +16,23 @@ differentiable through those ops' autograd formulas, deterministic on CPU). NCHW
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from detector.ops.blocks import BlockParams
 from detector.ops.functional import sparse_gather, sparse_scatter, sparse_scatter_
 
-__all__ = ["is_nhwc", "gather_blocks", "scatter_blocks", "zeros_like_layout", "ResidualBlocks"]
+__all__ = [
+    "is_nhwc",
+    "gather_blocks",
+    "scatter_blocks",
+    "zeros_like_layout",
+    "zero_pixels",
+    "ResidualBlocks",
+    "Workspace",
+    "shared_workspace",
+]
 
 
 def is_nhwc(x: torch.Tensor) -> bool:
@@ -63,25 +74,64 @@ def _positions(start: torch.Tensor, length: int, limit: int) -> tuple[torch.Tens
     return pos.clamp(0, limit - 1), valid
 
 
-def _gather_nhwc(x: torch.Tensor, idx: torch.Tensor, bp: BlockParams) -> torch.Tensor:
+class Workspace:
+    """A reusable buffer for gathered blocks (inference only: the blocks must be dead before the next use).
+
+    Fresh multi-megabyte allocations pay page faults on this kind of machine; reusing one buffer across
+    calls avoids them. Grows when a call needs more.
+    """
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+
+    def rows(self, n: int, c: int, like: torch.Tensor) -> torch.Tensor:
+        """An uninitialized ``[n, c]`` tensor with ``like``'s dtype and device, backed by the buffer."""
+        buf = self._buf
+        if buf is None or buf.numel() < n * c or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self._buf = torch.empty(n * c, dtype=like.dtype, device=like.device)
+        return buf[: n * c].view(n, c)
+
+
+_thread_state = threading.local()
+
+
+def shared_workspace() -> Workspace:
+    """The calling thread's workspace, shared by all sparse layers (they run one after another)."""
+    ws = getattr(_thread_state, "workspace", None)
+    if ws is None:
+        ws = _thread_state.workspace = Workspace()
+    return ws
+
+
+def _gather_nhwc(x: torch.Tensor, idx: torch.Tensor, bp: BlockParams, ws: Workspace | None) -> torch.Tensor:
     N, C, H, W = x.shape
     n = idx[:, 0].long()
     rows, vr = _positions(idx[:, 1].long() * bp.bstride_h + bp.boffset_h, bp.bsize_h, H)
     cols, vc = _positions(idx[:, 2].long() * bp.bstride_w + bp.boffset_w, bp.bsize_w, W)
     flat = ((n[:, None, None] * H + rows[:, :, None]) * W + cols[:, None, :]).reshape(-1)
-    rows_c = x.permute(0, 2, 3, 1).reshape(N * H * W, C).index_select(0, flat)
+    src = x.permute(0, 2, 3, 1).reshape(N * H * W, C)
+    if ws is not None and not (torch.is_grad_enabled() and x.requires_grad):
+        rows_c = torch.index_select(src, 0, flat, out=ws.rows(flat.numel(), C, x))
+    else:
+        rows_c = src.index_select(0, flat)
     outside = _outside(vr, vc)
     if outside is not None:  # clamped reads outside the map must read as 0
         rows_c = rows_c.index_fill_(0, outside, 0)
     return rows_c.view(-1, bp.bsize_h, bp.bsize_w, C).permute(0, 3, 1, 2)
 
 
-def gather_blocks(x: torch.Tensor, indices: torch.Tensor, bp: BlockParams) -> torch.Tensor:
-    """``sparse_gather`` returning channels-last blocks ``[K, C, bsize_h, bsize_w]`` for either layout."""
+def gather_blocks(
+    x: torch.Tensor, indices: torch.Tensor, bp: BlockParams, workspace: Workspace | None = None
+) -> torch.Tensor:
+    """``sparse_gather`` returning channels-last blocks ``[K, C, bsize_h, bsize_w]`` for either layout.
+
+    ``workspace`` (NHWC maps, inference only - ignored when ``x`` requires grad): gather into its buffer
+    instead of a fresh tensor; the result is only valid until the workspace's next use.
+    """
     if is_nhwc(x):
         if x.shape[2:] != bp.in_size:  # the same check as the op's
             raise ValueError(f"sparse_gather: x must be [N, C, {bp.in_h}, {bp.in_w}], got {tuple(x.shape)}")
-        return _gather_nhwc(x, indices, bp)
+        return _gather_nhwc(x, indices, bp, workspace)
     return sparse_gather(x, indices, bp).contiguous(memory_format=torch.channels_last)
 
 

@@ -26,7 +26,7 @@ from detector.ops.blocks import BlockParams, calc_block_params
 from detector.ops.functional import reduce_mask, sparse_gather
 
 from .chain import ActiveBlocks
-from .layout import gather_blocks, is_nhwc, scatter_blocks, zeros_like_layout
+from .layout import gather_blocks, is_nhwc, scatter_blocks, shared_workspace, zeros_like_layout
 
 __all__ = ["SparseBlockConv2d"]
 
@@ -92,7 +92,10 @@ class SparseBlockConv2d(nn.Conv2d):
         return ActiveBlocks(indices=reduce_mask(mask, bp, tol=self.tol, avgpool=self.avgpool), block=bp)
 
     def _blocks(self, x: torch.Tensor, idx: torch.Tensor, bp: BlockParams) -> torch.Tensor:
-        xb = gather_blocks(x, idx, bp) if is_nhwc(x) or self.channels_last else sparse_gather(x, idx, bp)
+        if is_nhwc(x) or self.channels_last:  # channels-last blocks (into the workspace without autograd)
+            xb = gather_blocks(x, idx, bp, None if torch.is_grad_enabled() else shared_workspace())
+        else:
+            xb = sparse_gather(x, idx, bp)
         return F.conv2d(xb, self.weight, self.bias, self.stride, 0, 1, self.groups)
 
     def forward(
