@@ -235,7 +235,7 @@ def test_points_round_trip_and_bad_bins(tmp_path):
 
 def test_root_reads_frames_and_collates(tmp_path):
     root, ids = _root(tmp_path)
-    ds = KittiDataset(root, "train")
+    ds = KittiDataset(root, "train", fov_only=False)
     assert len(ds) == 3
     f = ds[1]
     assert f.frame_id == ids[1] and f.points.shape == (100, 4)
@@ -304,3 +304,19 @@ def test_real_kitti_frames(kitti_real):
             assert vis[k]
             np.testing.assert_allclose(bbox[k], objs.bbox[k], atol=3.0)
     assert n_cars == 3
+
+
+def test_camera_field_of_view(calib):
+    from detector.data.kitti import in_camera_fov
+
+    pts = np.array([[10.0, 0.0, 0.0], [-10.0, 0.0, 0.0], [10.0, 30.0, 0.0], [10.0, -30.0, 0.0], [10.0, 0.0, 20.0],
+                    [10.0, 8.0, 0.0]])
+    assert in_camera_fov(pts, calib).tolist() == [True, False, False, False, False, True]
+
+
+def test_dataset_keeps_field_of_view_points(tmp_path):
+    root, ids = _root(tmp_path)
+    pts = np.array([[10.0, 0.0, 0.0, 0.5], [-10.0, 0.0, 0.0, 0.5]], np.float32)
+    write_points(root / "training/velodyne" / f"{ids[0]}.bin", pts)
+    assert len(KittiDataset(root, "train")[0].points) == 1
+    assert len(KittiDataset(root, "train", fov_only=False)[0].points) == 2

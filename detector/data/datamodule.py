@@ -127,6 +127,7 @@ class KittiDataModule(L.LightningDataModule):
         skip_bad_frames: bool = False,
         seed: int = 0,
         pin_memory: bool = False,
+        fov_only: bool = True,
     ):
         super().__init__()
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -144,6 +145,7 @@ class KittiDataModule(L.LightningDataModule):
         self.skip_bad_frames = skip_bad_frames
         self.seed = seed
         self.pin_memory = pin_memory
+        self.fov_only = fov_only
         self.datasets: dict[str, KittiDataset] = {}
 
     def dataset(self, stage: str) -> KittiDataset:
@@ -154,7 +156,7 @@ class KittiDataModule(L.LightningDataModule):
             needs_road = isinstance(self.mask_provider, RoadMapMask)
             self.datasets[stage] = KittiDataset(
                 self.root, split, road_map=needs_road, skip_bad_frames=self.skip_bad_frames,
-                transform=self.augment if stage == "train" else None, seed=self.seed,
+                transform=self.augment if stage == "train" else None, seed=self.seed, fov_only=self.fov_only,
             )
         return self.datasets[stage]
 

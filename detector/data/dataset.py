@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch.utils.data
 
-from detector.data.kitti import Calibration, KittiFormatError, KittiRoot, read_label
+from detector.data.kitti import Calibration, KittiFormatError, KittiRoot, in_camera_fov, read_label
 from detector.data.structures import Frame
 
 log = logging.getLogger(__name__)
@@ -23,6 +23,8 @@ class KittiDataset(torch.utils.data.Dataset):
     only by size: the full point check happens on load). A bad frame raises :class:`KittiFormatError`
     naming the file, or with ``skip_bad_frames`` is dropped with a warning and counted in
     ``self.skipped`` (a frame whose points turn out bad at load time is then replaced by the next one).
+    ``fov_only`` keeps the points that project into the left colour camera's image (as KITTI detectors
+    do: objects outside it are not labeled).
     """
 
     def __init__(
@@ -33,6 +35,7 @@ class KittiDataset(torch.utils.data.Dataset):
         skip_bad_frames: bool = False,
         transform: Callable[[Frame, np.random.Generator], Frame] | None = None,
         seed: int = 0,
+        fov_only: bool = True,
     ):
         self.root = KittiRoot(root)
         self.split = split
@@ -40,6 +43,7 @@ class KittiDataset(torch.utils.data.Dataset):
         self.skip_bad_frames = skip_bad_frames
         self.transform = transform
         self.seed = seed
+        self.fov_only = fov_only
         self.epoch = 0
         self.skipped: list[tuple[str, str]] = []  # (frame id, reason)
         ids = self.root.imageset(split)
@@ -96,6 +100,8 @@ class KittiDataset(torch.utils.data.Dataset):
                 self._bad(frame_id, e)
                 log.warning("skipping bad frame %s", e)
                 continue
+            if self.fov_only:  # KITTI labels objects in the camera's view only
+                frame.points = frame.points[in_camera_fov(frame.points, frame.calib)]
             if self.transform is not None:
                 rng = np.random.default_rng([self.seed, self.epoch, index])
                 frame = self.transform(frame, rng)

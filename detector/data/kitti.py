@@ -216,6 +216,14 @@ def boxes_to_labels(
     )
 
 
+def in_camera_fov(points: np.ndarray, calib: Calibration, image_size: tuple[int, int] = IMAGE_SIZE) -> np.ndarray:
+    """[N] bool: LiDAR points in front of the left colour camera that project inside its image. KITTI
+    labels only objects in this field of view, so training and evaluation keep only these points."""
+    uv, depth = calib.lidar_to_image(points[:, :3])
+    w, h = image_size
+    return (depth > 0) & (uv[:, 0] >= 0) & (uv[:, 0] < w) & (uv[:, 1] >= 0) & (uv[:, 1] < h)
+
+
 def labels_to_boxes(labels: KittiLabels, calib: Calibration) -> Boxes3D:
     """The 3D boxes of all records in the LiDAR frame (callers drop DontCare first)."""
     return Boxes3D.from_camera(labels.location, labels.dimensions, labels.rotation_y, calib)

@@ -1,0 +1,130 @@
+"""Render a frame's points, ground-truth boxes (green) and predicted boxes (red).
+
+    python scripts/visualize.py root=DIR frame=000010 [ckpt_path=PATH] [out=frame.png] [mode=auto|3d|bev]
+                                [score_threshold=0.3]
+
+mode=3d renders with open3d's legacy Visualizer offscreen (works without a display on our machines);
+mode=bev draws the bird's-eye-view image (the one TensorBoard shows); mode=auto tries 3d, then bev.
+Without ckpt_path only the ground truth is drawn.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from detector.cli import parse_args
+from detector.data.kitti import KittiFormatError, KittiRoot
+from detector.data.structures import BOX_EDGES, Boxes3D, collate_frames
+
+USAGE = __doc__
+
+
+def render_3d(points: np.ndarray, boxes: list[tuple[Boxes3D, tuple[float, float, float]]], out: Path,
+              size: tuple[int, int] = (1280, 800)) -> bool:
+    """Offscreen open3d rendering to PNG; False when this machine cannot render."""
+    import open3d as o3d
+
+    pcd = o3d.geometry.PointCloud(o3d.utility.Vector3dVector(points[:, :3].astype(np.float64)))
+    shade = np.clip(0.35 + 0.65 * points[:, 3:4], 0, 1)
+    pcd.colors = o3d.utility.Vector3dVector(np.repeat(shade, 3, axis=1) * np.array([0.75, 0.8, 1.0]))
+    geoms = [pcd]
+    for b, color in boxes:
+        for corners in b.corners().detach().cpu().double().numpy():
+            ls = o3d.geometry.LineSet(o3d.utility.Vector3dVector(corners), o3d.utility.Vector2iVector(BOX_EDGES))
+            ls.paint_uniform_color(color)
+            geoms.append(ls)
+    vis = o3d.visualization.Visualizer()
+    if not vis.create_window(visible=False, width=size[0], height=size[1]):
+        return False
+    try:
+        for g in geoms:
+            vis.add_geometry(g)
+        opt = vis.get_render_option()
+        opt.background_color = np.zeros(3)
+        opt.point_size = 1.5
+        ctl = vis.get_view_control()
+        ctl.set_lookat([25.0, 0.0, 0.0])
+        ctl.set_front([-1.0, 0.0, 0.9])
+        ctl.set_up([1.0, 0.0, 0.6])
+        ctl.set_zoom(0.3)
+        vis.poll_events()
+        vis.update_renderer()
+        vis.capture_screen_image(str(out), do_render=True)
+    finally:
+        vis.destroy_window()
+    return out.is_file() and out.stat().st_size > 0
+
+
+def write_png(path: Path, img: np.ndarray) -> None:
+    import open3d as o3d
+
+    if not o3d.io.write_image(str(path), o3d.geometry.Image(np.ascontiguousarray(img))):
+        raise OSError(f"{path}: could not write PNG")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv, {"root": None, "frame": "000000", "split_dir": "training", "ckpt_path": None,
+                             "out": None, "mode": "auto", "score_threshold": 0.3}, USAGE)
+    if args["root"] is None:
+        raise SystemExit(f"error: root=DIR is required\n{USAGE}")
+    if args["mode"] not in ("auto", "3d", "bev"):
+        raise SystemExit(f"error: mode must be auto, 3d or bev, got {args['mode']!r}")
+    try:
+        root = KittiRoot(args["root"], args["split_dir"])
+        frame = root.read_frame(args["frame"], road_map=root.has_road_maps())
+    except KittiFormatError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    dets, grid, mask = None, None, None
+    if args["ckpt_path"]:
+        from detector.callbacks import CheckpointError
+        from detector.tasks import decode_kwargs, load_detector
+
+        try:
+            model, cfg = load_detector(args["ckpt_path"])
+        except (CheckpointError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        model.eval()
+        batch = collate_frames([frame])
+        if cfg.mask.get("provider") is not None and cfg.model.sparse:
+            from hydra.utils import instantiate
+
+            try:
+                batch.mask = instantiate(cfg.mask.provider)(batch, model.grid).mask
+            except ValueError as e:  # e.g. a road-map model on a frame without a road map
+                print(f"error: {e}", file=sys.stderr)
+                return 1
+        with torch.no_grad():
+            out = model(batch)
+            dets = model.decode(out, **decode_kwargs(cfg.model))[0]
+        keep = dets.scores >= args["score_threshold"]
+        dets = dets.boxes[keep]
+        grid = model.grid
+        mask = None if out.mask is None else out.mask[0, 0]
+    out_path = Path(args["out"] or f"frame_{args['frame']}.png")
+    boxes = [(frame.gt_boxes, (0.2, 0.9, 0.2))] + ([(dets, (1.0, 0.25, 0.25))] if dets is not None else [])
+    if args["mode"] in ("auto", "3d"):
+        if render_3d(frame.points, boxes, out_path):
+            print(f"wrote {out_path} (open3d, 3D view)")
+            return 0
+        if args["mode"] == "3d":
+            print("error: open3d could not render offscreen on this machine; use mode=bev", file=sys.stderr)
+            return 1
+    from detector.viz import bev_image
+
+    if grid is None:
+        from detector.data.voxelize import BevGrid
+
+        grid = BevGrid((0.0, 70.4), (-40.0, 40.0), (-2.5, 1.0), 0.1, 0.1)
+    write_png(out_path, bev_image(frame.points, grid, gt_boxes=frame.gt_boxes, det_boxes=dets, mask=mask))
+    print(f"wrote {out_path} (bird's-eye view)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
