@@ -361,7 +361,7 @@ class SparseConvChain(nn.Module):
             z = F.conv2d(a, convs[L - 1].weight, None, self.specs[L - 1].stride)
             if self.shortcut == "projection":
                 a0s = a0[:, :, p0h : p0h + S * th : S, p0w : p0w + S * tw : S]
-                z = z + F.conv2d(a0s, self.proj.weight)
+                z = z.add_(F.conv2d(a0s, self.proj.weight))  # z: a fresh conv output nobody saved
             return z, new  # identity: added to x by the scatter
 
         sc = None
@@ -385,7 +385,8 @@ class SparseConvChain(nn.Module):
             if skip_identity:
                 return b, new
             sc = xb[:, :, p0h : p0h + th, p0w : p0w + tw]
-        return F.relu_(b + sc if sc is not None else b), new
+        # b is a fresh conv / affine / batch_norm output that no backward needs: add and ReLU in place
+        return F.relu_(b.add_(sc) if sc is not None else b), new
 
     def _gather(self, x: torch.Tensor, idx: torch.Tensor, geo: ChainGeometry) -> torch.Tensor:
         if is_nhwc(x) or self.channels_last:  # channels-last blocks (into the workspace without autograd)
