@@ -1,0 +1,185 @@
+"""Inference time per frame of the whole detector, dense vs sparse, in one run.
+
+    python scripts/bench_model.py [quick=false] [bev=kitti] [arch=pixor] [batches=1,4] [frames=8] [reps=3]
+                                  [masks=none,road_map,predicted,ground] [block_size=16]
+                                  [mask_train_steps=150] [root=data/sim_kitti] [out=benchmarks/model_cpu.json]
+
+For each mask and batch size: wall time per frame of voxelize → mask → backbone → neck+head → decode
+(eval mode, no autograd) on the simulated val frames, the mean mask sparsity, the time shares, and the
+speedup over the dense run of the same batch size. The data-side masks (road map, ground) are timed
+as part of the frame (they run in the loader during training).
+
+``arch=pixor`` is PIXOR/SBNet's backbone (stem 32, [3, 6, 6, 3] bottleneck units, 96-384 channels), the
+one ``experiment=kitti_full`` trains; ``arch=default`` is the CPU training config. Weights are random
+except the predicted-mask network, which is first trained for ``mask_train_steps`` steps on the train
+split (its sparsity, not its weights, sets the speed; the trained network's real sparsity is reported).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+from detector.cli import parse_args
+from detector.data.datamodule import collate
+from detector.data.structures import collate_frames
+from detector.models.losses import mask_loss
+from detector.tasks import build_datamodule, build_grid, build_model
+
+USAGE = __doc__
+REPO = Path(__file__).resolve().parents[1]
+PIXOR = ["model.backbone.stem_channels=32", "model.backbone.stage_units=[3,6,6,3]",
+         "model.backbone.stage_channels=[96,192,256,384]", "model.backbone.bottleneck=true",
+         "model.neck_channels=128", "model.head_channels=96"]
+
+
+def compose_cfg(args: dict, mask: str):
+    over = [f"bev={args['bev']}", f"mask={mask}", f"data.root={args['root']}", "paths.output_dir=/tmp/bench_model",
+            "data.num_workers=0", "data.augment=null", f"model.block_size={args['block_size']}"]
+    if args["arch"] == "pixor":
+        over += PIXOR
+    with initialize_config_dir(str(REPO / "configs"), version_base="1.3"):
+        return compose("train", overrides=over)
+
+
+def train_mask_net(model, frames_train, steps: int, batch: int = 2) -> None:
+    """Train only the mask network on the dilated ground-truth boxes (Adam, a few hundred steps)."""
+    from detector.data.masks import boxes_mask
+
+    net = model.mask_net
+    net.train()
+    opt = torch.optim.Adam(net.parameters(), lr=3e-3)
+    rng = np.random.default_rng(0)
+    for _ in range(steps):
+        idx = rng.choice(len(frames_train), size=batch, replace=False)
+        b = collate_frames([frames_train[i] for i in idx])
+        with torch.no_grad():
+            bev = model.voxelize(b)
+        logits = net(bev)
+        target = boxes_mask(b.gt_boxes, model.grid, model.mask_dilation_m, downsample=net.downsample)
+        loss = mask_loss(logits, target, model.mask_loss_kind)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    net.eval()
+
+
+@torch.no_grad()
+def time_config(model, provider, frames, batch: int, reps: int) -> dict:
+    model.eval()
+    model.timing = True
+    grid = model.grid
+    batches = [frames[i:i + batch] for i in range(0, len(frames) - batch + 1, batch)]
+    totals: dict[str, float] = {}
+    sparsity, n_frames, wall = [], 0, 0.0
+    for rep in range(reps + 1):  # the first pass warms up (allocations, oneDNN primitives, autotune)
+        for fr in batches:
+            t0 = time.perf_counter()
+            b = collate_frames(fr)
+            tm = time.perf_counter()
+            if provider is not None:
+                b = collate(fr, provider, grid)
+            t_mask = time.perf_counter() - tm
+            out = model(b)
+            model.decode(out)
+            dt = time.perf_counter() - t0
+            if rep == 0:
+                continue
+            wall += dt
+            n_frames += len(fr)
+            sparsity.append(out.sparsity)
+            totals["mask"] = totals.get("mask", 0.0) + t_mask
+            for k, v in out.times.items():
+                if k != "start":
+                    totals[k] = totals.get(k, 0.0) + v
+    ms = 1000 * wall / n_frames
+    shares = {k: v / wall for k, v in totals.items()}
+    return {"ms_per_frame": ms, "sparsity": float(np.mean(sparsity)), "shares": shares}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv, {"quick": False, "bev": "kitti", "arch": "pixor", "batches": "1,4", "frames": 8,
+                             "reps": 3, "masks": "none,road_map,predicted,ground", "block_size": "16",
+                             "mask_train_steps": 150, "root": "data/sim_kitti",
+                             "out": "benchmarks/model_cpu.json"}, USAGE)
+    if args["quick"]:
+        args.update(bev="small", arch="default", batches="1", frames=4, reps=1, mask_train_steps=30)
+    batches = [int(b) for b in args["batches"].split(",")]
+    masks = args["masks"].split(",")
+    torch.manual_seed(0)
+    cfg0 = compose_cfg(args, "none")
+    grid = build_grid(cfg0.bev)
+    dm = build_datamodule(cfg0.data, None, grid, sparse=False)
+    val = dm.dataset("val")
+    n = max(args["frames"], max(batches))
+    frames = [val[i] for i in range(min(n, len(val)))]
+    road_ds = build_datamodule(compose_cfg(args, "road_map").data, compose_cfg(args, "road_map").mask, grid,
+                               sparse=True).dataset("val")
+    road_frames = [road_ds[i] for i in range(len(frames))]
+    train_ds = dm.dataset("train")
+    print(f"bench_model: bev={args['bev']} ({grid.H}x{grid.W}x{grid.C}) arch={args['arch']} "
+          f"frames={len(frames)} threads={torch.get_num_threads()} "
+          f"MALLOC_MMAP_MAX_={os.environ.get('MALLOC_MMAP_MAX_')} "
+          f"MALLOC_TRIM_THRESHOLD_={os.environ.get('MALLOC_TRIM_THRESHOLD_')}")
+    rows = []
+    dense_ms = {}
+    base_state = None
+    for mask in ["none"] + [m for m in masks if m != "none"]:
+        cfg = compose_cfg(args, mask)
+        model = build_model(cfg.model, cfg.mask, grid)
+        if base_state is None:
+            base_state = model.state_dict()
+        model.load_state_dict(base_state, strict=False)  # the same weights for every mask
+        provider = instantiate(cfg.mask.provider) if cfg.mask.get("provider") else None
+        if model.mask_net is not None:
+            t = time.perf_counter()
+            train_frames = [train_ds[i] for i in range(min(64, len(train_ds)))]
+            train_mask_net(model, train_frames, args["mask_train_steps"])
+            print(f"  trained the mask network for {args['mask_train_steps']} steps ({time.perf_counter() - t:.0f} s)")
+        fr = road_frames if mask == "road_map" else frames
+        for b in batches:
+            r = time_config(model, provider, fr, b, args["reps"])
+            if mask == "none":
+                dense_ms[b] = r["ms_per_frame"]
+            row = {"bev": args["bev"], "arch": args["arch"], "mask": mask, "batch": b,
+                   "ms_per_frame": round(r["ms_per_frame"], 2), "sparsity": round(r["sparsity"], 4),
+                   "speedup_vs_dense": round(dense_ms[b] / r["ms_per_frame"], 3),
+                   "shares": {k: round(v, 4) for k, v in r["shares"].items()}, "block_size": args["block_size"]}
+            rows.append(row)
+            sh = " ".join(f"{k} {100 * v:.0f}%" for k, v in row["shares"].items())
+            print(f"  mask={mask:<9} batch={b}  {row['ms_per_frame']:8.1f} ms/frame  sparsity {row['sparsity']:.3f}  "
+                  f"speedup {row['speedup_vs_dense']:.2f}x   [{sh}]")
+    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "load_avg": os.getloadavg(),
+            "env": {k: os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")},
+            "command": "python scripts/bench_model.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    if args["out"] and not args["quick"]:
+        out = Path(args["out"])
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        md = ["| mask | batch | ms/frame | sparsity | speedup vs dense | voxelize | mask | backbone | head | decode |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            s = r["shares"]
+            md.append(f"| {r['mask']} | {r['batch']} | {r['ms_per_frame']:.1f} | {r['sparsity']:.3f} | "
+                      f"{r['speedup_vs_dense']:.2f}x | " + " | ".join(f"{100 * s.get(k, 0):.0f}%" for k in
+                                                                   ("voxelize", "mask", "backbone", "head", "decode")) + " |")
+        out.with_suffix(".md").write_text(
+            f"# Detector inference on the CPU\n\n`{meta['command']}` — bev={args['bev']}, arch={args['arch']}, "
+            f"{meta['machine']}, torch {meta['torch']}, {meta['threads']} threads, load {meta['load_avg']}, "
+            f"allocator {meta['env']}.\n\n" + "\n".join(md) + "\n")
+        print(f"wrote {out} and {out.with_suffix('.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
