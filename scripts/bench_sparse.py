@@ -2,7 +2,7 @@
 
     python scripts/bench_sparse.py [quick=false] [out=benchmarks/sparse_cpu.json] [md=] [batch=1]
         [stages=1,2,3,4] [sparsity=0.5,0.75,0.9,0.95,0.99] [blocks=8,16,32] [layers=conv3x3,bottleneck]
-        [passes=fwd,fwd+bwd] [reps=3] [threads=0] [layout=nhwc] [spconv=true]
+        [passes=fwd,fwd+bwd] [reps=3] [threads=1] [layout=nhwc] [spconv=true]
 
 Layers, at the four stage sizes of SBNet's LiDAR backbone on our KITTI BEV grid (PIXOR layout, input
 800 x 704, stage outputs at strides 2..16 with 96/192/256/384 channels; see detector.nn.resnet):
@@ -29,6 +29,10 @@ block size, ``ideal`` = 1 / (1 - actual block sparsity), ``auto_speedup`` = dens
 (what ``block_size="auto"`` may reach by choosing dense). Time shares of the sparse path's phases
 (reduce_mask, gather incl. the channels-last copy, conv = everything computed on the blocks, scatter)
 are timed phase by phase at that block size, with their backward in ``fwd+bwd`` rows.
+
+Threads: 1 by default (``threads=0``: torch's default). On a shared 2-core machine two OpenMP threads
+stall in every parallel region whenever the other core is busy; the sparse path, with many small
+operations, suffers most, and the numbers stop meaning anything. One thread gives repeatable ratios.
 
 The allocator matters on this machine: large fresh allocations pay page faults, and glibc's
 ``MALLOC_MMAP_MAX_=0`` (exported by the Makefile) keeps them on the heap. Dense and sparse always run
@@ -73,7 +77,7 @@ DEFAULTS = {
     "layers": "conv3x3,bottleneck",
     "passes": "fwd,fwd+bwd",
     "reps": 3,
-    "threads": 0,
+    "threads": 1,
     "layout": "nhwc",
     "spconv": True,
 }
