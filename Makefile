@@ -10,7 +10,7 @@ DATA ?= data/sim_kitti
 export MALLOC_MMAP_MAX_ ?= 0
 export MALLOC_TRIM_THRESHOLD_ ?= 4000000000
 
-.PHONY: setup sysdeps train test test-all data kernels kernels-cuda bench lint clean
+.PHONY: setup sysdeps train test test-all data kernels kernels-cuda bench bench-quick lint clean
 
 $(VENV)/.stamp: pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "error: $(PY) not found (set PY=python3.x)"; exit 1; }
@@ -62,6 +62,21 @@ kernels-cuda:
 	  $(CUDA_VENV)/bin/python -m pip install -q "$(CUDA_TORCH_PIN)" numpy ninja
 	CUDA_HOME=$(CUDA_HOME) TORCH_CUDA_ARCH_LIST="$(TORCH_CUDA_ARCH_LIST)" $(CUDA_VENV)/bin/python -c \
 	  "from detector.ops import _library; print(_library.build(with_cuda=True, verbose=True))"
+
+# Benchmarks: each prints a table and writes benchmarks/<name>_cpu.{json,md} (machine, load, allocator noted).
+bench: setup data kernels
+	$(PYTHON) scripts/bench_data.py
+	$(PYTHON) scripts/bench_ops.py
+	$(PYTHON) scripts/bench_sparse.py
+	$(PYTHON) scripts/bench_voxelize.py root=$(DATA)
+	$(PYTHON) scripts/bench_eval.py
+	$(PYTHON) scripts/bench_model.py root=$(DATA)
+
+# About a minute each, results under /tmp: a smoke test of the benchmarks.
+bench-quick: setup data kernels
+	$(PYTHON) scripts/bench_sparse.py quick=true out=/tmp/bench_quick/sparse.json
+	$(PYTHON) scripts/bench_model.py quick=true root=$(DATA)
+	$(PYTHON) scripts/bench_eval.py frames=300 repeats=1 files=false stress=false out=/tmp/bench_quick/eval
 
 lint: setup
 	$(BIN)/ruff check detector scripts tests

@@ -24,8 +24,12 @@ class RngStateCallback(L.Callback):
         py_state = random.getstate()
         state = {
             "torch": torch.get_rng_state(),
-            "numpy": {"key": np_state[0], "pos": int(np_state[2]), "gauss": [int(np_state[3]), float(np_state[4])],
-                      "keys": torch.from_numpy(np_state[1].astype(np.int64))},
+            "numpy": {
+                "key": np_state[0],
+                "pos": int(np_state[2]),
+                "gauss": [int(np_state[3]), float(np_state[4])],
+                "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            },
             "python": {"version": py_state[0], "state": list(py_state[1]), "gauss": py_state[2]},
         }
         if torch.cuda.is_available():
@@ -67,7 +71,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         finally:
             os.close(dir_fd)
 
-    def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         return load_checkpoint(path, map_location)
 
 

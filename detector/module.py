@@ -90,7 +90,7 @@ class DetectorModule(L.LightningModule):
         for k in ("backbone", "voxelize", "mask", "head", "decode"):
             if k in out.times:
                 self.log(f"val/time_{k}_ms_per_frame", 1000 * out.times[k] / B, batch_size=B, sync_dist=True)
-        for f, d, gtb in zip(batch.frames, dets, batch.gt_boxes):
+        for f, d, gtb in zip(batch.frames, dets, batch.gt_boxes, strict=True):
             if f.labels is None:
                 continue
             raw = f.labels

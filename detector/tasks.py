@@ -67,7 +67,9 @@ def ensure_dataset(data_cfg: DictConfig) -> None:
     if (root / "ImageSets" / f"{data_cfg.train_split}.txt").exists():
         return
     if not data_cfg.get("generate_if_missing", False):
-        raise ConfigError(f"data.root={root}: no KITTI-format dataset there (ImageSets/{data_cfg.train_split}.txt missing)")
+        raise ConfigError(
+            f"data.root={root}: no KITTI-format dataset there (ImageSets/{data_cfg.train_split}.txt missing)"
+        )
     from detector.data.sim import generate_dataset
 
     log.info("dataset %s not found: generating %d simulated frames", root, data_cfg.generate_frames)
@@ -134,8 +136,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     dm = build_datamodule(cfg.data, cfg.mask, grid, sparse, bs)
     config = OmegaConf.to_container(cfg, resolve=True)
     config["data"]["batch_size"] = bs
-    module = DetectorModule(model, instantiate(cfg.optimizer), instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
-                            config=config)
+    scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
+    module = DetectorModule(model, instantiate(cfg.optimizer), scheduler, config=config)
     callbacks = [instantiate(c) for c in cfg.get("callbacks", {}).values() if c is not None and "_target_" in c]
     logger = instantiate(cfg.logger) if cfg.get("logger") and "_target_" in cfg.logger else False
     if not logger:  # nothing to monitor the learning rate into
@@ -192,7 +194,7 @@ def load_detector(ckpt_path: str | Path, mask_override: str | None = None) -> tu
     model = build_model(cfg.model, cfg.mask, grid)
     state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     missing, unexpected = model.load_state_dict(state, strict=False)
-    bad = [k for k in missing if not k.startswith("mask_net.")] + [k for k in unexpected if not k.startswith("mask_net.")]
+    bad = [k for k in (*missing, *unexpected) if not k.startswith("mask_net.")]
     if bad:
         raise ConfigError(f"{ckpt_path}: weights do not fit the saved model config: {bad[:5]}")
     return model, cfg
@@ -232,7 +234,7 @@ def evaluate_checkpoint(ckpt_path: str | Path, data_cfg: DictConfig, out_dir: st
         sparsity.append(out.sparsity)
         for k, v in out.times.items():
             times[k] = times.get(k, 0.0) + v
-        for f, d, gtb in zip(batch.frames, dets, batch.gt_boxes):
+        for f, d, gtb in zip(batch.frames, dets, batch.gt_boxes, strict=True):
             n_frames += 1
             res = detections_to_labels(d.to("cpu"), classes, f)
             if write_results:

@@ -170,9 +170,9 @@ def main(argv=None) -> int:
               "|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             s = r["shares"]
+            shares = " | ".join(f"{100 * s.get(k, 0):.0f}%" for k in ("voxelize", "mask", "backbone", "head", "decode"))
             md.append(f"| {r['mask']} | {r['batch']} | {r['ms_per_frame']:.1f} | {r['sparsity']:.3f} | "
-                      f"{r['speedup_vs_dense']:.2f}x | " + " | ".join(f"{100 * s.get(k, 0):.0f}%" for k in
-                                                                   ("voxelize", "mask", "backbone", "head", "decode")) + " |")
+                      f"{r['speedup_vs_dense']:.2f}x | {shares} |")
         out.with_suffix(".md").write_text(
             f"# Detector inference on the CPU\n\n`{meta['command']}` — bev={args['bev']}, arch={args['arch']}, "
             f"{meta['machine']}, torch {meta['torch']}, {meta['threads']} threads, load {meta['load_avg']}, "

@@ -1,6 +1,7 @@
 """Micro-benchmark of the sbnet CPU kernels against naive pure-PyTorch versions (one run, ratios).
 
-    MALLOC_MMAP_MAX_=0 .venv/bin/python scripts/bench_ops.py [--out benchmarks/ops_cpu.json] [--reps 10]
+    MALLOC_MMAP_MAX_=0 .venv/bin/python scripts/bench_ops.py [out=benchmarks/ops_cpu.json] [reps=10]
+                                                             [size=2,32,400,352]
 
 (MALLOC_MMAP_MAX_=0, as the Makefile sets, keeps large buffers on the heap instead of fresh mmaps
 whose page faults would dominate every allocation-heavy variant.)
@@ -16,17 +17,18 @@ Timings on a shared machine are noisy: compare ratios within one run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
+from detector.cli import parse_args
 from detector.ops import BlockParams, _library, calc_block_params, sparse_gather, sparse_scatter
 
 
@@ -104,14 +106,12 @@ def bench_fraction(
     return [Row(op, frac, K, *median_ms_pair(kernel, naive, reps)) for op, (kernel, naive) in pairs.items()]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/ops_cpu.json"))
-    parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--size", type=int, nargs=4, default=[2, 32, 400, 352], metavar=("N", "C", "H", "W"))
-    args = parser.parse_args()
+def main(argv=None) -> None:
+    a = parse_args(argv, {"out": "benchmarks/ops_cpu.json", "reps": 10, "size": "2,32,400,352"}, __doc__)
+    size = [int(v) for v in a["size"].split(",")]
+    if len(size) != 4:
+        raise SystemExit("error: size=N,C,H,W")
+    args = SimpleNamespace(out=Path(a["out"]), reps=a["reps"], size=size)
     if not _library.load(verbose=True):
         raise SystemExit(f"sbnet kernels unavailable: {_library.unavailable_reason('cpu')}")
 

@@ -46,13 +46,13 @@ def inspect(root: str, split_dir: str = "training", max_frames: int = 0) -> tupl
         if f.labels is None:
             continue
         lvl = difficulty(f.labels)
-        for name, d in zip(f.labels.name, lvl):
+        for name, d in zip(f.labels.name, lvl, strict=True):
             per_class[name]["total"] += 1
             if name == "DontCare":
                 continue
             for k, level in enumerate(DIFFICULTY_LEVELS):
                 per_class[name][level] += int(0 <= d <= k)
-        for name, c in zip(f.gt_names, f.gt_boxes.center.numpy()):
+        for name, c in zip(f.gt_names, f.gt_boxes.center.numpy(), strict=True):
             dist[name].append(float(np.hypot(c[0], c[1])))
 
     lines = [f"KITTI-format root: {Path(root).resolve()}  ({split_dir})"]
@@ -65,14 +65,16 @@ def inspect(root: str, split_dir: str = "training", max_frames: int = 0) -> tupl
         lines.append(f"points per frame: mean {p.mean():.0f}, min {p.min()}, max {p.max()}")
     if per_class:
         lines.append("")
-        lines.append(f"{'class':<15}{'objects':>9}{'easy':>8}{'moderate':>10}{'hard':>8}   distance m (min / median / max)")
+        header = f"{'class':<15}{'objects':>9}{'easy':>8}{'moderate':>10}{'hard':>8}"
+        lines.append(header + "   distance m (min / median / max)")
         for name in sorted(per_class, key=lambda n: -per_class[n]["total"]):
             c = per_class[name]
             d = np.array(dist.get(name, []))
             drange = f"{d.min():6.1f} / {np.median(d):6.1f} / {d.max():6.1f}" if len(d) else "-"
             lines.append(f"{name:<15}{c['total']:9d}{c['easy']:8d}{c['moderate']:10d}{c['hard']:8d}   {drange}")
         frames_lab = max(len(n_points), 1)
-        lines.append(f"objects per frame (all classes, DontCare included): {sum(c['total'] for c in per_class.values()) / frames_lab:.1f}")
+        total = sum(c["total"] for c in per_class.values())
+        lines.append(f"objects per frame (all classes, DontCare included): {total / frames_lab:.1f}")
     return "\n".join(lines), errors
 
 

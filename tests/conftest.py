@@ -24,7 +24,8 @@ def make_calib(rot_deg: float = 0.0) -> Calibration:
     R = axes @ rz
     t = -R @ np.array([0.27, 0.0, -0.08])
     return Calibration(P0=P[0], P1=P[1], P2=P[2], P3=P[3], R0_rect=np.eye(3),
-                       Tr_velo_to_cam=np.hstack([R, t[:, None]]), Tr_imu_to_velo=np.hstack([np.eye(3), np.zeros((3, 1))]))
+                       Tr_velo_to_cam=np.hstack([R, t[:, None]]),
+                       Tr_imu_to_velo=np.hstack([np.eye(3), np.zeros((3, 1))]))
 
 
 @pytest.fixture

@@ -55,8 +55,9 @@ class KittiDataset(torch.utils.data.Dataset):
             )
         self.ids = [i for i in ids if self._check(i)]
         if self.skipped:
-            log.warning("%s/%s: skipped %d bad frames (first: %s: %s)", root, split, len(self.skipped),
-                        *self.skipped[0])
+            log.warning(
+                "%s/%s: skipped %d bad frames (first: %s: %s)", root, split, len(self.skipped), *self.skipped[0]
+            )
         if not self.ids:
             raise KittiFormatError(self.root.root / "ImageSets" / f"{split}.txt", "no usable frames in this split")
 
@@ -72,9 +73,13 @@ class KittiDataset(torch.utils.data.Dataset):
             try:
                 size = os.path.getsize(bin_path)
             except FileNotFoundError:
-                raise KittiFormatError(bin_path, f"frame {frame_id} is listed in ImageSets but has no point cloud") from None
+                raise KittiFormatError(
+                    bin_path, f"frame {frame_id} is listed in ImageSets but has no point cloud"
+                ) from None
             if size == 0 or size % 16:
-                raise KittiFormatError(bin_path, f"truncated or empty point cloud ({size} bytes, not a positive multiple of 16)")
+                raise KittiFormatError(
+                    bin_path, f"truncated or empty point cloud ({size} bytes, not a positive multiple of 16)"
+                )
             Calibration.from_file(self.root.path("calib", frame_id))
             if self.root.has_labels():
                 read_label(self.root.path("label_2", frame_id), with_score=False)

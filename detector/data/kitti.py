@@ -67,16 +67,28 @@ class KittiLabels:
     def empty(cls, with_score: bool = False) -> KittiLabels:
         z = np.zeros(0, dtype=np.float32)
         return cls(
-            np.zeros(0, dtype="<U16"), z, np.zeros(0, dtype=np.int32), z,
-            np.zeros((0, 4), np.float32), np.zeros((0, 3), np.float32), np.zeros((0, 3), np.float32), z,
+            np.zeros(0, dtype="<U16"),
+            z,
+            np.zeros(0, dtype=np.int32),
+            z,
+            np.zeros((0, 4), np.float32),
+            np.zeros((0, 3), np.float32),
+            np.zeros((0, 3), np.float32),
+            z,
             z.copy() if with_score else None,
         )
 
     def select(self, idx: np.ndarray) -> KittiLabels:
         """The subset given by a boolean mask or index array."""
         return KittiLabels(
-            self.name[idx], self.truncated[idx], self.occluded[idx], self.alpha[idx], self.bbox[idx],
-            self.dimensions[idx], self.location[idx], self.rotation_y[idx],
+            self.name[idx],
+            self.truncated[idx],
+            self.occluded[idx],
+            self.alpha[idx],
+            self.bbox[idx],
+            self.dimensions[idx],
+            self.location[idx],
+            self.rotation_y[idx],
             None if self.score is None else self.score[idx],
         )
 
@@ -97,11 +109,7 @@ def parse_label_lines(lines: list[str], path: str | Path, with_score: bool | Non
         names = np.array(name_list, dtype="<U16")
         a = np.array([float(v) for _, f in numbered for v in f[1:]], dtype=np.float64).reshape(len(numbered), -1)
         care = names != "DontCare"
-        if (
-            not np.isfinite(a).all()
-            or (a[:, 1] != np.round(a[:, 1])).any()
-            or (a[care][:, 7:10] < 0).any()
-        ):
+        if not np.isfinite(a).all() or (a[:, 1] != np.round(a[:, 1])).any() or (a[care][:, 7:10] < 0).any():
             raise ValueError
     except ValueError:
         _raise_first_bad_line(numbered, path)
@@ -233,8 +241,13 @@ def labels_to_boxes(labels: KittiLabels, calib: Calibration) -> Boxes3D:
 # Calibration
 # --------------------------------------------------------------------------------------------------
 _CALIB_SHAPES = {
-    "P0": (3, 4), "P1": (3, 4), "P2": (3, 4), "P3": (3, 4),
-    "R0_rect": (3, 3), "Tr_velo_to_cam": (3, 4), "Tr_imu_to_velo": (3, 4),
+    "P0": (3, 4),
+    "P1": (3, 4),
+    "P2": (3, 4),
+    "P3": (3, 4),
+    "R0_rect": (3, 3),
+    "Tr_velo_to_cam": (3, 4),
+    "Tr_imu_to_velo": (3, 4),
 }
 _CALIB_ALIASES = {"R_rect": "R0_rect", "Tr_velo_cam": "Tr_velo_to_cam", "Tr_imu_velo": "Tr_imu_to_velo"}
 
@@ -349,7 +362,9 @@ def read_points(path: str | Path) -> np.ndarray:
     if size == 0:
         raise KittiFormatError(path, "empty point cloud (0 bytes)")
     if size % 16:
-        raise KittiFormatError(path, f"truncated point cloud: {size} bytes is not a multiple of 16 (4 float32 per point)")
+        raise KittiFormatError(
+            path, f"truncated point cloud: {size} bytes is not a multiple of 16 (4 float32 per point)"
+        )
     pts = np.fromfile(path, dtype=np.float32)
     if pts.size * 4 != size:
         raise KittiFormatError(path, f"could read only {pts.size * 4} of {size} bytes")
@@ -398,9 +413,16 @@ class RoadMap:
     to_raster: np.ndarray | None = None
 
     def grid(self) -> dict:
-        return {"x_min": self.x_min, "y_min": self.y_min, "resolution": self.resolution,
-                "rows": int(self.raster.shape[0]), "cols": int(self.raster.shape[1]),
-                "rows_axis": "y", "cols_axis": "x", "frame": "lidar"}
+        return {
+            "x_min": self.x_min,
+            "y_min": self.y_min,
+            "resolution": self.resolution,
+            "rows": int(self.raster.shape[0]),
+            "cols": int(self.raster.shape[1]),
+            "rows_axis": "y",
+            "cols_axis": "x",
+            "frame": "lidar",
+        }
 
     def transformed(self, matrix: np.ndarray) -> RoadMap:
         """The road map of the scene after the linear map ``matrix`` [2, 2] (points p -> matrix @ p)."""
@@ -458,7 +480,9 @@ def read_road_map(png_path: str | Path) -> RoadMap:
     if img.ndim == 3:
         img = img[..., 0]
     if img.shape != (grid.get("rows"), grid.get("cols")):
-        raise KittiFormatError(png_path, f"raster is {img.shape}, grid.json says {(grid.get('rows'), grid.get('cols'))}")
+        raise KittiFormatError(
+            png_path, f"raster is {img.shape}, grid.json says {(grid.get('rows'), grid.get('cols'))}"
+        )
     return RoadMap(img > 127, float(grid["x_min"]), float(grid["y_min"]), float(grid["resolution"]))
 
 

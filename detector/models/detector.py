@@ -39,14 +39,16 @@ class TopDownNeck(nn.Module):
         use = [i for i, s in enumerate(strides) if s >= out_stride]
         if not use or strides[use[0]] != out_stride:
             raise ValueError(f"TopDownNeck: no backbone stage at stride {out_stride} (strides {list(strides)})")
-        for a, b in zip(use, use[1:]):
+        for a, b in zip(use, use[1:], strict=False):
             if strides[b] != 2 * strides[a]:
                 raise ValueError(f"TopDownNeck: stage strides must double, got {list(strides)}")
         self.use = use
         self.out_stride = out_stride
         self.lateral = nn.ModuleList(nn.Conv2d(in_channels[i], channels, 1) for i in use)
         self.smooth = nn.ModuleList(
-            nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU(inplace=True))
+            nn.Sequential(
+                nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU(inplace=True)
+            )
             for _ in use
         )
         self.out_channels = channels

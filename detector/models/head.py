@@ -16,7 +16,11 @@ class DetectionHead(nn.Module):
         layers: list[nn.Module] = []
         c = in_channels
         for _ in range(num_convs):
-            layers += [nn.Conv2d(c, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU(inplace=True)]
+            layers += [
+                nn.Conv2d(c, channels, 3, padding=1, bias=False),
+                nn.BatchNorm2d(channels),
+                nn.ReLU(inplace=True),
+            ]
             c = channels
         self.tower = nn.Sequential(*layers)
         self.heatmap = nn.Conv2d(c, num_classes, 3, padding=1)

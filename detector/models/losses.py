@@ -11,7 +11,9 @@ import torch.nn.functional as F
 from detector.models.targets import Targets
 
 
-def sigmoid_focal_loss(logits: torch.Tensor, target: torch.Tensor, alpha: float = 0.25, gamma: float = 2.0) -> torch.Tensor:
+def sigmoid_focal_loss(
+    logits: torch.Tensor, target: torch.Tensor, alpha: float = 0.25, gamma: float = 2.0
+) -> torch.Tensor:
     """Element-wise focal loss (Lin et al. 2017) of sigmoid logits against 0/1 targets."""
     p = torch.sigmoid(logits)
     ce = F.binary_cross_entropy_with_logits(logits, target, reduction="none")

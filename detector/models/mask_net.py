@@ -15,8 +15,15 @@ class MaskNet(nn.Module):
     cheap (about ``1/d²`` of a full-resolution layer of the same width).
     """
 
-    def __init__(self, in_channels: int, downsample: int = 4, channels: int = 32, num_convs: int = 3,
-                 threshold: float = 0.3, dilation: int = 1):
+    def __init__(
+        self,
+        in_channels: int,
+        downsample: int = 4,
+        channels: int = 32,
+        num_convs: int = 3,
+        threshold: float = 0.3,
+        dilation: int = 1,
+    ):
         super().__init__()
         if downsample not in (1, 2, 4, 8, 16):
             raise ValueError(f"MaskNet.downsample must be a power of two up to 16, got {downsample}")
@@ -28,7 +35,11 @@ class MaskNet(nn.Module):
         layers: list[nn.Module] = []
         c = in_channels
         for _ in range(num_convs):
-            layers += [nn.Conv2d(c, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU(inplace=True)]
+            layers += [
+                nn.Conv2d(c, channels, 3, padding=1, bias=False),
+                nn.BatchNorm2d(channels),
+                nn.ReLU(inplace=True),
+            ]
             c = channels
         layers.append(nn.Conv2d(c, 1, 3, padding=1))
         self.net = nn.Sequential(*layers)

@@ -91,7 +91,7 @@ class BoxCoder:
 
         cls_of = {c: k for k, c in enumerate(self.classes)}
         rows_b, rows_box, rows_cls, rows_ign = [], [], [], []
-        for b, (bx, nm) in enumerate(zip(boxes, names)):
+        for b, (bx, nm) in enumerate(zip(boxes, names, strict=True)):
             if len(bx) == 0:
                 continue
             cls = np.array([cls_of.get(n, -1) for n in nm], dtype=np.int64)
