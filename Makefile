@@ -36,9 +36,11 @@ $(DATA)/ImageSets/train.txt: | setup
 
 data: $(DATA)/ImageSets/train.txt
 
-# The main job: sample data, then its summary (training and evaluation land with issues 5 and 6).
-train: setup data
+# The main job: the sample dataset (generated once), its summary, then training of the sparse detector
+# on the CPU and the KITTI evaluation of its best checkpoint. Extra Hydra overrides: make train ARGS="..."
+train: setup data kernels
 	$(PYTHON) scripts/inspect_dataset.py root=$(DATA)
+	$(PYTHON) scripts/train.py data.root=$(DATA) $(ARGS)
 
 test: setup
 	$(PYTHON) -m pytest -q -m "not slow"
