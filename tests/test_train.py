@@ -256,6 +256,7 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, tiny_root):
 def test_ddp_two_processes_on_cpu(tmp_path, tiny_root):
     r = _run_script("scripts/train.py", f"paths.output_dir={tmp_path}", f"data.root={tiny_root}", *TINY,
                     "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_epochs=1",
+                    "trainer.sync_batchnorm=false",  # torch's SyncBatchNorm is GPU-only (tests/test_nn_ddp.py)
                     "evaluate_after=false", timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     ckpts = list((tmp_path / "checkpoints").glob("*.ckpt"))

@@ -77,9 +77,11 @@ from .norm import (
     batch_norm_native,
     check_count,
     combine_moments,
+    needs_sync,
     region_moments,
     running_scale_shift,
     scale_shift,
+    sync_moments,
     update_running_stats,
     uses_batch_stats,
 )
@@ -311,6 +313,10 @@ class SparseConvChain(nn.Module):
             bn = slots[j]
             if uses_batch_stats(bn):
                 m = known[j] or new.get(j)
+                if m is None and not collect and needs_sync(bn):  # DDP: statistics of all processes
+                    m = new[j] = sync_moments(bn, region_moments(z, lv[self._slot_levels[j]],
+                                                                 masks[self._slot_levels[j]]), z)
+                    check_count(f"{self.name}.bn[{j}]", m.count)
                 if m is None:
                     level = self._slot_levels[j]
                     lvl, lm = lv[level], masks[level]
@@ -416,9 +422,10 @@ class SparseConvChain(nn.Module):
         add = self.shortcut == "identity" and self.preact
         base = x if self.shortcut == "identity" else zeros_like_layout(x, (N, self.out_channels, Ho, Wo))
         K = blocks.count
-        if K == 0:
-            return base
         slots = self._slots
+        if K == 0:
+            tie = self._sync_empty()
+            return base if tie is None else base + tie
         batch = [uses_batch_stats(bn) for bn in slots]
         chunk = self.chunk_blocks(geo, x.element_size())
         idx_chunks = [idx[s : s + chunk] for s in range(0, K, chunk)]
@@ -455,6 +462,8 @@ class SparseConvChain(nn.Module):
                 per_chunk.append(self._collect_chunk(x, ic, geo, mc, known, grad))
             for j in per_chunk[0]:
                 known[j] = combine_moments([p[j] for p in per_chunk])
+                if needs_sync(slots[j]):
+                    known[j] = sync_moments(slots[j], known[j], known[j].mean)
                 check_count(f"{self.name}.bn[{j}]", known[j].count)
 
         known_final = list(known)
@@ -481,6 +490,26 @@ class SparseConvChain(nn.Module):
             if m is not None:
                 update_running_stats(slots[j], m)
         return out
+
+    def _sync_empty(self) -> torch.Tensor | None:
+        """A process with no active block still takes part in every statistics all-reduce the others
+        make (DDP with synchronized BN), in their order: the post-activation projection's BN, then the
+        chain's BNs; its running statistics are updated with the global moments like the others'.
+        Returns a zero that depends on those all-reduces (None without any), for the caller to add to its
+        output, so that backward takes part in the gradients' all-reduces too."""
+        slots = self._slots
+        order = ([len(self.bns)] if self.proj_bn is not None and not self.preact else []) + list(range(len(self.bns)))
+        like = self.convs[0].weight.detach()
+        tie = None
+        for j in order:
+            if needs_sync(slots[j]):
+                m = sync_moments(slots[j], None, like)
+                update_running_stats(slots[j], m)
+                z = (m.mean.sum() + m.var.sum()) * 0.0
+                tie = z if tie is None else tie + z
+        if tie is not None and torch.is_grad_enabled():  # zero gradients for DDP's reducer (no unused parameter)
+            tie = tie + sum(p.sum() for p in self.parameters() if p.requires_grad) * 0.0
+        return tie
 
     def _collect_chunk(
         self,

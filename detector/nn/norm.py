@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -32,6 +33,8 @@ __all__ = [
     "check_count",
     "running_scale_shift",
     "update_running_stats",
+    "needs_sync",
+    "sync_moments",
 ]
 
 
@@ -122,3 +125,42 @@ def update_running_stats(bn: nn.BatchNorm2d, m: Moments) -> None:
     unbiased = m.var.detach() * (m.count / max(m.count - 1, 1))
     bn.running_mean.mul_(1 - f).add_(m.mean.detach(), alpha=f)
     bn.running_var.mul_(1 - f).add_(unbiased, alpha=f)
+
+
+def needs_sync(bn: nn.Module) -> bool:
+    """Whether ``bn`` is a SyncBatchNorm that must combine its batch statistics across processes (DDP
+    with ``sync_batchnorm``): training mode and more than one process."""
+    return (
+        isinstance(bn, nn.SyncBatchNorm)
+        and uses_batch_stats(bn)
+        and dist.is_available()
+        and dist.is_initialized()
+        and dist.get_world_size(bn.process_group or dist.group.WORLD) > 1
+    )
+
+
+def sync_moments(bn: nn.SyncBatchNorm, m: Moments | None, like: torch.Tensor) -> Moments:
+    """The moments of the union of every process's active pixels: one differentiable all-reduce of
+    (count, sum, sum of squares). ``m`` None: this process has no active pixel (it still takes part in
+    the collective, so that every process issues the same sequence of collectives). ``like``: a tensor
+    with the dtype and device of the statistics."""
+    import warnings
+
+    with warnings.catch_warnings():  # the differentiable all-reduce; its successor is not differentiable yet
+        warnings.simplefilter("ignore", FutureWarning)
+        from torch.distributed.nn.functional import all_reduce
+
+    C = bn.num_features
+    if m is None:  # a leaf that requires grad, so that backward takes part in the gradient all-reduce
+        packed = like.new_zeros(2 * C + 1).requires_grad_(torch.is_grad_enabled())
+    else:
+        n = float(m.count)
+        packed = torch.cat([m.mean * n, (m.var + m.mean * m.mean) * n, like.new_full((1,), n)])
+    group = bn.process_group or dist.group.WORLD
+    packed = all_reduce(packed, group=group)
+    count = int(round(float(packed[-1].detach())))
+    if count == 0:
+        return Moments(mean=like.new_zeros(C), var=like.new_ones(C), count=0)
+    mean = packed[:C] / count
+    var = (packed[C : 2 * C] / count - mean * mean).clamp_min(0)
+    return Moments(mean=mean, var=var, count=count)
