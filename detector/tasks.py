@@ -159,6 +159,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                     for lvl, v in r["R40"].items()}
             logger.log_hyperparams(_flat_hparams(config), flat)
     result["wall_s"] = time.time() - t_start
+    if trainer.is_global_zero:
+        (out_dir / "run.json").write_text(json.dumps(result, indent=1))
     return result
 
 

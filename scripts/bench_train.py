@@ -1,0 +1,61 @@
+"""The README's main run, sparse and its dense twin, trained the same way; final metrics side by side.
+
+    python scripts/bench_train.py [runs=sparse,dense] [root=data/sim_kitti] [out=benchmarks/train_sim_cpu.json]
+                                  [extra="..."]   (Hydra overrides added to every run)
+
+Each run is ``scripts/train.py data.root=ROOT [model=dense]`` in a subprocess (the default schedule,
+then the evaluation of its best checkpoint on the val split). Writes
+``{"dense": <metric JSON>, "sparse": <metric JSON>, "wall_s": {"dense": .., "sparse": ..}, ...}`` and a
+markdown table beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from detector.cli import parse_args
+
+REPO = Path(__file__).resolve().parents[1]
+OVERRIDES = {"sparse": [], "dense": ["model=dense"]}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv, {"runs": "sparse,dense", "root": "data/sim_kitti", "out": "benchmarks/train_sim_cpu.json",
+                             "extra": ""}, __doc__)
+    result: dict = {"wall_s": {}, "runs": {}, "load_avg_before": os.getloadavg()}
+    for name in args["runs"].split(","):
+        out_dir = REPO / "outputs" / "bench_train" / f"{name}_{time.strftime('%Y-%m-%d_%H-%M-%S')}"
+        cmd = [sys.executable, "scripts/train.py", f"data.root={args['root']}", f"paths.output_dir={out_dir}",
+               *OVERRIDES[name], *args["extra"].split()]
+        print(" ".join(cmd), flush=True)
+        t0 = time.time()
+        subprocess.run(cmd, cwd=REPO, check=True)
+        run = json.loads((out_dir / "run.json").read_text())
+        result[name] = run["metrics"]
+        result["wall_s"][name] = round(time.time() - t0, 1)
+        result["runs"][name] = {"command": " ".join(cmd[1:]), "output_dir": str(out_dir), "best_ckpt": run["best_ckpt"]}
+    result["load_avg_after"] = os.getloadavg()
+    out = Path(args["out"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    rows = ["| model | metric | easy | moderate | hard | wall s |", "|---|---|---|---|---|---|"]
+    for name in result["wall_s"]:
+        for metric in ("bev", "3d", "2d", "aos"):
+            r = result[name]["Car"][metric]["R40"]
+            rows.append(f"| {name} | Car {metric} AP R40 | {r['easy']:.2f} | {r['moderate']:.2f} | {r['hard']:.2f} | "
+                        f"{result['wall_s'][name]:.0f} |")
+    out.with_suffix(".md").write_text(
+        "# Training on the simulated sample (CPU, 2 cores)\n\n`python scripts/bench_train.py "
+        + " ".join(argv if argv is not None else sys.argv[1:]) + "` (load before "
+        + f"{result['load_avg_before']}, after {result['load_avg_after']})\n\n" + "\n".join(rows) + "\n")
+    print(out.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
