@@ -53,6 +53,7 @@ def build_model(model_cfg: DictConfig, mask_cfg: DictConfig, grid: BevGrid) -> B
         out_stride=model_cfg.out_stride, mask_net=mask_net,
         train_mask_source=mask_cfg.get("train_source", "union"),
         mask_dilation_m=model_cfg.mask_dilation_m, use_data_mask=sparse,
+        head_block_size=model_cfg.get("head_block_size", 16),
     )
 
 
@@ -104,6 +105,9 @@ def validate_config(cfg: DictConfig) -> None:
     bsz = cfg.model.block_size
     if not (bsz in ("auto", "dense") or (isinstance(bsz, int) and bsz >= 1) or OmegaConf.is_list(bsz)):
         raise ConfigError(f"model.block_size must be an int >= 1, auto, dense or a list, got {bsz!r}")
+    hbs = cfg.model.get("head_block_size", 16)
+    if not (isinstance(hbs, int) and not isinstance(hbs, bool) and hbs >= 1):
+        raise ConfigError(f"model.head_block_size must be an int >= 1, got {hbs!r}")
     if cfg.optimizer.lr <= 0:
         raise ConfigError(f"optimizer.lr must be positive, got {cfg.optimizer.lr}")
     if not cfg.model.classes:

@@ -97,12 +97,12 @@ def test_rotated_nms_matches_brute_force(thr):
     assert keep.tolist() == _brute_force_nms(t, scores, labels, thr)
 
 
-def _model(mask_net=None, block=8) -> BevDetector:
+def _model(mask_net=None, block=8, head_block=16) -> BevDetector:
     torch.manual_seed(0)
     backbone = SparseResNet(GRID.C, stem_channels=8, stage_units=(1, 1, 1), stage_channels=(8, 12, 16),
                             stage_strides=(2, 2, 2), bottleneck=False, block_size=block)
     return BevDetector(GRID, backbone, BoxCoder(["Car"]), neck_channels=8, head_channels=8, out_stride=4,
-                       mask_net=mask_net)
+                       mask_net=mask_net, head_block_size=head_block)
 
 
 def _batch(n=2, seed=0) -> Batch:
@@ -212,3 +212,29 @@ def test_overfit_one_simulated_frame(sim_frame):
         dets = model.decode(model(batch, bev=bev), score_threshold=0.3)[0]
     iou = bev_iou(cars.bev().double().numpy(), dets.boxes.bev().double().numpy())
     assert len(dets) > 0 and (iou.max(1) > 0.7).all(), iou.max(1)
+
+
+def test_neck_and_head_run_sparse_given_a_mask():
+    """With a mask, the 1/4-resolution neck conv and the head tower only compute the mask's active tiles:
+    their outputs are zero on tiles far from it, equal to the dense twin's where the receptive field is
+    active, and without a mask (the dense twin) they run everywhere."""
+    model = _model(head_block=8).eval()
+    batch = _batch(1)
+    mask = torch.zeros(1, 1, GRID.H, GRID.W)
+    mask[..., 40:72, 40:72] = 1.0  # one 3.2 m square: rows/cols 10..17 at 1/4, tiles 8..23 active
+    seen = {}
+    model.head.tower.register_forward_hook(lambda m, i, o: seen.__setitem__("tower", o))
+    model.neck.smooth[0].register_forward_hook(lambda m, i, o: seen.__setitem__("neck", o))
+    with torch.no_grad():
+        model(batch)
+        dense_tower, dense_neck = seen["tower"].clone(), seen["neck"].clone()
+        batch.mask = mask
+        model(batch)
+    h, w = dense_tower.shape[-2:]
+    far = torch.ones(h, w, dtype=torch.bool)
+    far[8:24, 8:24] = False
+    for name, dense in (("tower", dense_tower), ("neck", dense_neck)):
+        out = seen[name]
+        assert out[..., far].abs().max() == 0, name
+        assert dense[..., far].abs().max() > 0, name  # the dense twin computes there
+        torch.testing.assert_close(out[..., 12:16, 12:16], dense[..., 12:16, 12:16], rtol=1e-4, atol=1e-4)

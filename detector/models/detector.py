@@ -27,14 +27,21 @@ from detector.models.head import DetectionHead
 from detector.models.losses import LossTerms, detection_loss, mask_loss
 from detector.models.mask_net import MaskNet
 from detector.models.targets import BoxCoder
+from detector.nn.chain import SparseConvChain
 from detector.nn.resnet import SparseResNet
 
 
 class TopDownNeck(nn.Module):
     """FPN-style top-down path: from the deepest stage, upsample ×2, add the 1x1 lateral of the next
-    shallower stage, 3x3 conv-BN-ReLU; stops at ``out_stride``."""
+    shallower stage, 3x3 conv-BN-ReLU; stops at ``out_stride``.
 
-    def __init__(self, in_channels: Sequence[int], strides: Sequence[int], out_stride: int = 4, channels: int = 96):
+    Given the computation mask at each level's resolution, every 3x3 smoothing conv runs sparse on that
+    level's active tiles (a one-conv :class:`~detector.nn.chain.SparseConvChain`; zero elsewhere, where
+    the sparse backbone's features are zero too); the 1x1 laterals and the upsampling stay dense.
+    """
+
+    def __init__(self, in_channels: Sequence[int], strides: Sequence[int], out_stride: int = 4, channels: int = 96,
+                 block_size: int = 16, tol: float = 0.5, memory_budget_mb: float = 1024.0):
         super().__init__()
         use = [i for i, s in enumerate(strides) if s >= out_stride]
         if not use or strides[use[0]] != out_stride:
@@ -43,25 +50,41 @@ class TopDownNeck(nn.Module):
             if strides[b] != 2 * strides[a]:
                 raise ValueError(f"TopDownNeck: stage strides must double, got {list(strides)}")
         self.use = use
+        self.strides = [strides[i] for i in use]
         self.out_stride = out_stride
         self.lateral = nn.ModuleList(nn.Conv2d(in_channels[i], channels, 1) for i in use)
         self.smooth = nn.ModuleList(
-            nn.Sequential(
-                nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU(inplace=True)
-            )
-            for _ in use
+            SparseConvChain(channels, (channels,), (3,), (1,), shortcut="none", block_size=block_size, tol=tol,
+                            memory_budget_mb=memory_budget_mb, name=f"TopDownNeck.smooth[{j}]")
+            for j in range(len(use))
         )
         self.out_channels = channels
 
-    def forward(self, feats: Sequence[torch.Tensor]) -> torch.Tensor:
+    def forward(self, feats: Sequence[torch.Tensor], masks: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        """``feats``: the backbone's stage outputs; ``masks``: None (dense) or the mask at each used
+        level's resolution (``masks[j]`` for stride ``self.strides[j]``)."""
         x = None
         for j in reversed(range(len(self.use))):
             lat = self.lateral[j](feats[self.use[j]])
             if x is not None:
                 x = F.interpolate(x, size=lat.shape[-2:], mode="nearest")
                 lat = lat + x
-            x = self.smooth[j](lat)
+            x = self.smooth[j](lat, mask=None if masks is None else masks[j])
         return x
+
+
+def masks_at_strides(mask: torch.Tensor, strides: Sequence[int]) -> list[torch.Tensor]:
+    """The computation mask at each of ``strides`` (powers of 2), max-pooled by 2 in ceil mode per
+    halving - exactly as the backbone's stages downsample it."""
+    out, cur, s = [], mask, 1
+    for target in strides:
+        while s < target:
+            cur = F.max_pool2d(cur, kernel_size=2, stride=2, ceil_mode=True)
+            s *= 2
+        if s != target:
+            raise ValueError(f"masks_at_strides: strides must be increasing powers of 2, got {list(strides)}")
+        out.append(cur)
+    return out
 
 
 @dataclass
@@ -89,6 +112,7 @@ class BevDetector(nn.Module):
         mask_loss_kind: str = "focal",
         mask_loss_weight: float = 1.0,
         use_data_mask: bool = True,
+        head_block_size: int = 16,
     ):
         super().__init__()
         if train_mask_source not in ("gt", "predicted", "union"):
@@ -99,8 +123,9 @@ class BevDetector(nn.Module):
         self.out_grid = grid.downsampled(out_stride)
         self.coder = coder
         self.backbone = backbone
-        self.neck = TopDownNeck(backbone.out_channels, backbone.strides, out_stride, neck_channels)
-        self.head = DetectionHead(neck_channels, coder.num_classes, head_channels)
+        sparse_args = dict(block_size=head_block_size, tol=backbone.tol, memory_budget_mb=backbone.memory_budget_mb)
+        self.neck = TopDownNeck(backbone.out_channels, backbone.strides, out_stride, neck_channels, **sparse_args)
+        self.head = DetectionHead(neck_channels, coder.num_classes, head_channels, **sparse_args)
         self.mask_net = mask_net
         self.train_mask_source = train_mask_source
         self.mask_dilation_m = mask_dilation_m
@@ -141,7 +166,11 @@ class BevDetector(nn.Module):
         t = self._tick(times, "mask", t)
         feats = self.backbone(bev, mask)
         t = self._tick(times, "backbone", t)
-        heat, reg = self.head(self.neck(feats))
+        if mask is None:
+            heat, reg = self.head(self.neck(feats))
+        else:
+            level_masks = masks_at_strides(mask, self.neck.strides)
+            heat, reg = self.head(self.neck(feats, level_masks), level_masks[0])
         self._tick(times, "head", t)
         sparsity = 0.0 if mask is None else float(1.0 - mask.mean())
         return DetectorOutput(heat, reg, mask, mask_logits, sparsity, times)

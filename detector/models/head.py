@@ -1,4 +1,5 @@
-"""The dense detection head: a small conv tower, then a per-class heatmap and 8 regression channels."""
+"""The detection head: a conv tower (sparse on the active tiles given a mask), then a per-class
+heatmap and 8 regression channels."""
 
 from __future__ import annotations
 
@@ -8,28 +9,41 @@ import torch
 from torch import nn
 
 from detector.models.targets import REG_CHANNELS
+from detector.nn.chain import SparseConvChain
 
 
 class DetectionHead(nn.Module):
-    def __init__(self, in_channels: int, num_classes: int, channels: int = 64, num_convs: int = 2, prior: float = 0.01):
+    """``num_convs`` 3x3 conv-BN-ReLU (one :class:`~detector.nn.chain.SparseConvChain`: dense without a
+    mask, one gather / VALID convs / one scatter on the mask's active tiles with one), then the 3x3
+    heatmap and regression convolutions, dense: with 1 + 8 output channels they cost a few percent of
+    the tower. Where the tower did not run its output is zero, so the logits there are the convolutions'
+    biases (the heatmap's is trained towards background)."""
+
+    def __init__(
+        self,
+        in_channels: int,
+        num_classes: int,
+        channels: int = 64,
+        num_convs: int = 2,
+        prior: float = 0.01,
+        block_size: int = 16,
+        tol: float = 0.5,
+        memory_budget_mb: float = 1024.0,
+    ):
         super().__init__()
-        layers: list[nn.Module] = []
-        c = in_channels
-        for _ in range(num_convs):
-            layers += [
-                nn.Conv2d(c, channels, 3, padding=1, bias=False),
-                nn.BatchNorm2d(channels),
-                nn.ReLU(inplace=True),
-            ]
-            c = channels
-        self.tower = nn.Sequential(*layers)
-        self.heatmap = nn.Conv2d(c, num_classes, 3, padding=1)
-        self.regression = nn.Conv2d(c, len(REG_CHANNELS), 3, padding=1)
+        if num_convs < 1:
+            raise ValueError(f"DetectionHead: num_convs must be >= 1, got {num_convs}")
+        self.tower = SparseConvChain(
+            in_channels, (channels,) * num_convs, (3,) * num_convs, (1,) * num_convs, shortcut="none",
+            block_size=block_size, tol=tol, memory_budget_mb=memory_budget_mb, name="DetectionHead.tower",
+        )
+        self.heatmap = nn.Conv2d(channels, num_classes, 3, padding=1)
+        self.regression = nn.Conv2d(channels, len(REG_CHANNELS), 3, padding=1)
         nn.init.constant_(self.heatmap.bias, -math.log((1 - prior) / prior))  # start at p = prior
         nn.init.normal_(self.regression.weight, std=0.01)
         nn.init.zeros_(self.regression.bias)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, C, h, w] -> (heatmap logits [B, K, h, w], regression [B, 8, h, w])."""
-        x = self.tower(x)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, C, h, w] (+ mask [B, 1, h, w]) -> (heatmap logits [B, K, h, w], regression [B, 8, h, w])."""
+        x = self.tower(x, mask=mask)
         return self.heatmap(x), self.regression(x)

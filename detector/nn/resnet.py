@@ -177,6 +177,7 @@ class SparseResNet(nn.Module):
         self.block_sizes: list[int | str] = sizes
         self.channels_last = channels_last
         self.tol = float(tol)
+        self.memory_budget_mb = float(memory_budget_mb)
         self.tuner = tuner if tuner is not None else BlockSizeTuner()
         common = dict(tol=tol, memory_budget_mb=memory_budget_mb, channels_last=channels_last)
         first_tile = lambda b: b if isinstance(b, int) else 16  # noqa: E731  (auto/dense set at run time)
