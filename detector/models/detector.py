@@ -12,6 +12,7 @@ dense (``mask=None``); where the mask comes from:
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from detector.models.losses import LossTerms, detection_loss, mask_loss
 from detector.models.mask_net import MaskNet
 from detector.models.targets import BoxCoder
 from detector.nn.chain import SparseConvChain
-from detector.nn.resnet import SparseResNet
+from detector.nn.resnet import SparseResNet, downsample_mask
 
 
 class TopDownNeck(nn.Module):
@@ -46,7 +47,7 @@ class TopDownNeck(nn.Module):
         use = [i for i, s in enumerate(strides) if s >= out_stride]
         if not use or strides[use[0]] != out_stride:
             raise ValueError(f"TopDownNeck: no backbone stage at stride {out_stride} (strides {list(strides)})")
-        for a, b in zip(use, use[1:], strict=False):
+        for a, b in itertools.pairwise(use):
             if strides[b] != 2 * strides[a]:
                 raise ValueError(f"TopDownNeck: stage strides must double, got {list(strides)}")
         self.use = use
@@ -74,12 +75,12 @@ class TopDownNeck(nn.Module):
 
 
 def masks_at_strides(mask: torch.Tensor, strides: Sequence[int]) -> list[torch.Tensor]:
-    """The computation mask at each of ``strides`` (powers of 2), max-pooled by 2 in ceil mode per
-    halving - exactly as the backbone's stages downsample it."""
+    """The computation mask at each of ``strides`` (powers of 2), downsampled as the backbone's stages
+    downsample it."""
     out, cur, s = [], mask, 1
     for target in strides:
         while s < target:
-            cur = F.max_pool2d(cur, kernel_size=2, stride=2, ceil_mode=True)
+            cur = downsample_mask(cur)
             s *= 2
         if s != target:
             raise ValueError(f"masks_at_strides: strides must be increasing powers of 2, got {list(strides)}")

@@ -60,11 +60,6 @@ def zero_pixels(t: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _outside(vr: torch.Tensor, vc: torch.Tensor) -> torch.Tensor | None:
-    """Block pixels (indices into ``K * bh * bw``) whose row or column is outside the map; None if none."""
-    if bool(vr.all()) and bool(vc.all()):
-        return None
-    return (~(vr[:, :, None] & vc[:, None, :])).reshape(-1).nonzero().flatten()
 
 
 def _positions(start: torch.Tensor, length: int, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,6 +67,22 @@ def _positions(start: torch.Tensor, length: int, limit: int) -> tuple[torch.Tens
     pos = start[:, None] + torch.arange(length, device=start.device)
     valid = (pos >= 0) & (pos < limit)
     return pos.clamp(0, limit - 1), valid
+
+
+def _block_pixels(
+    shape: torch.Size, idx: torch.Tensor, bp: BlockParams
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """For the blocks ``idx`` of an ``[N, C, H, W]`` map: the NHWC row of every block pixel ([K * bh * bw],
+    (block, row, column) order; clamped into the map) and the block pixels whose row or column lies outside
+    the map (they must read as 0; None if there are none)."""
+    _, _, H, W = shape
+    n = idx[:, 0].long()
+    rows, vr = _positions(idx[:, 1].long() * bp.bstride_h + bp.boffset_h, bp.bsize_h, H)
+    cols, vc = _positions(idx[:, 2].long() * bp.bstride_w + bp.boffset_w, bp.bsize_w, W)
+    flat = ((n[:, None, None] * H + rows[:, :, None]) * W + cols[:, None, :]).reshape(-1)
+    if bool(vr.all()) and bool(vc.all()):
+        return flat, None
+    return flat, (~(vr[:, :, None] & vc[:, None, :])).reshape(-1).nonzero().flatten()
 
 
 class Workspace:
@@ -105,16 +116,12 @@ def shared_workspace() -> Workspace:
 
 def _gather_nhwc(x: torch.Tensor, idx: torch.Tensor, bp: BlockParams, ws: Workspace | None) -> torch.Tensor:
     N, C, H, W = x.shape
-    n = idx[:, 0].long()
-    rows, vr = _positions(idx[:, 1].long() * bp.bstride_h + bp.boffset_h, bp.bsize_h, H)
-    cols, vc = _positions(idx[:, 2].long() * bp.bstride_w + bp.boffset_w, bp.bsize_w, W)
-    flat = ((n[:, None, None] * H + rows[:, :, None]) * W + cols[:, None, :]).reshape(-1)
+    flat, outside = _block_pixels(x.shape, idx, bp)
     src = x.permute(0, 2, 3, 1).reshape(N * H * W, C)
     if ws is not None and not (torch.is_grad_enabled() and x.requires_grad):
         rows_c = torch.index_select(src, 0, flat, out=ws.rows(flat.numel(), C, x))
     else:
         rows_c = src.index_select(0, flat)
-    outside = _outside(vr, vc)
     if outside is not None:  # clamped reads outside the map must read as 0
         rows_c = rows_c.index_fill_(0, outside, 0)
     return rows_c.view(-1, bp.bsize_h, bp.bsize_w, C).permute(0, 3, 1, 2)
@@ -302,13 +309,9 @@ class ResidualBlocks:
         self.link = _Link()
 
     def gather(self) -> torch.Tensor:
-        x, bp, idx = self.x, self.gather_bp, self.indices
-        _, _, H, W = x.shape
-        n = idx[:, 0].long()
-        rows, vr = _positions(idx[:, 1].long() * bp.bstride_h + bp.boffset_h, bp.bsize_h, H)
-        cols, vc = _positions(idx[:, 2].long() * bp.bstride_w + bp.boffset_w, bp.bsize_w, W)
-        flat = ((n[:, None, None] * H + rows[:, :, None]) * W + cols[:, None, :]).reshape(-1)
-        return _ResidualGather.apply(x, flat, _outside(vr, vc), (bp.bsize_h, bp.bsize_w), self.link)
+        x, bp = self.x, self.gather_bp
+        flat, outside = _block_pixels(x.shape, self.indices, bp)
+        return _ResidualGather.apply(x, flat, outside, (bp.bsize_h, bp.bsize_w), self.link)
 
     def scatter(self, tiles: torch.Tensor, mode: str) -> torch.Tensor:
         """The output: ``x`` with each tile written (``"write"``), added (``"add"``) or combined as

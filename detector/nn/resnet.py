@@ -37,7 +37,7 @@ from torch import nn
 from .autotune import DENSE, BlockSizeTuner, mask_density_bucket
 from .chain import ActiveBlocks, SparseConvChain
 
-__all__ = ["SparseResidualUnit", "SparseStage", "SparseResNet", "AUTO"]
+__all__ = ["SparseResidualUnit", "SparseStage", "SparseResNet", "AUTO", "downsample_mask"]
 
 AUTO = "auto"
 
@@ -94,7 +94,7 @@ class SparseResidualUnit(SparseConvChain):
         )
 
 
-def _downsample_mask(mask: torch.Tensor) -> torch.Tensor:
+def downsample_mask(mask: torch.Tensor) -> torch.Tensor:
     """Max-pool by 2 (ceil mode): the mask at a stride-2 unit's output resolution."""
     return F.max_pool2d(mask, kernel_size=2, stride=2, ceil_mode=True)
 
@@ -125,7 +125,7 @@ class SparseStage(nn.Module):
         else:
             x = first(x, mask=mask)
         if mask is not None and first.stride == 2:
-            mask = _downsample_mask(mask)
+            mask = downsample_mask(mask)
         if mask is not None and not dense and len(self.units) > 1:
             blocks: ActiveBlocks = self.units[1].active_blocks(mask)
             for u in self.units[1:]:  # in-place into the stage's own intermediates only (inference)
