@@ -71,7 +71,7 @@ def ensure_dataset(data_cfg: DictConfig) -> None:
         raise ConfigError(
             f"data.root={root}: no KITTI-format dataset there (ImageSets/{data_cfg.train_split}.txt missing)"
         )
-    from detector.data.sim import generate_dataset
+    from detector.sim import generate_dataset
 
     log.info("dataset %s not found: generating %d simulated frames", root, data_cfg.generate_frames)
     generate_dataset(root, frames=int(data_cfg.generate_frames), seed=int(data_cfg.get("seed", 0)))

@@ -29,7 +29,8 @@ import numpy as np
 
 from detector.cli import parse_args
 from detector.data.kitti import KittiRoot
-from detector.data.sim import LidarSpec, generate_dataset, ray_directions, simulate_frame
+from detector.sim import LidarSpec, generate_dataset, simulate_frame
+from detector.sim.sensor import ray_directions
 
 USAGE = __doc__
 DEFAULTS = {

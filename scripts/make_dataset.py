@@ -1,4 +1,4 @@
-"""Generate a KITTI-format dataset with the LiDAR simulator (detector.data.sim).
+"""Generate a KITTI-format dataset with the LiDAR simulator (detector.sim).
 
     python scripts/make_dataset.py out=DIR [frames=300] [seed=0] [workers=0] [columns=2083]
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 
 from detector.cli import parse_args
-from detector.data.sim import LidarSpec, generate_dataset
+from detector.sim import LidarSpec, generate_dataset
 
 USAGE = __doc__
 DEFAULTS = {

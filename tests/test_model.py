@@ -171,11 +171,11 @@ def test_predicted_mask_path_trains():
 
 @pytest.fixture(scope="module")
 def sim_frame():
-    sim = pytest.importorskip("detector.data.sim")
     from detector.data.kitti import labels_to_boxes
     from detector.data.structures import Frame
+    from detector.sim import simulate_frame
 
-    f = sim.simulate_frame(seed=5, index=3)
+    f = simulate_frame(seed=5, index=3)
     lab = f.labels.labels
     obj = lab.name != "DontCare"
     boxes = Boxes3D(labels_to_boxes(lab.select(obj), f.calib).tensor.float())

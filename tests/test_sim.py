@@ -14,27 +14,23 @@ import numpy as np
 import pytest
 
 from detector.data.kitti import IMAGE_SIZE, KittiRoot
-from detector.data.sim import (
+from detector.data.structures import Boxes3D
+from detector.sim.actors import VEHICLE_STYLES, vehicle_mesh
+from detector.sim.labels import (
     MIN_HEIGHT_PX,
     MIN_POINTS,
     OCCLUSION_LEVELS,
-    LidarSpec,
-    beam_elevations,
-    camera_center,
-    generate_dataset,
     hidden_fractions,
     label_frame,
-    make_calibration,
     occlusion_level,
-    scan,
-    simulate_frame,
     truncation,
     unclipped_image_boxes,
-    write_frame,
 )
-from detector.data.sim_meshes import VEHICLE_STYLES, Material, box, fit_to_box, vehicle_mesh
-from detector.data.sim_scene import Street, assemble_scene
-from detector.data.structures import Boxes3D
+from detector.sim.meshes import Material, box, fit_to_box
+from detector.sim.scene import assemble_scene
+from detector.sim.sensor import LidarSpec, beam_elevations, camera_center, make_calibration, scan
+from detector.sim.street import Street
+from detector.sim.writer import generate_dataset, simulate_frame, write_frame
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = LidarSpec(columns=1024)

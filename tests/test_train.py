@@ -34,7 +34,7 @@ TINY = [
 @pytest.fixture(scope="session")
 def tiny_root(tmp_path_factory) -> Path:
     """Six simulated frames at a coarse azimuth step (4 train, 2 val)."""
-    from detector.data.sim import LidarSpec, generate_dataset
+    from detector.sim import LidarSpec, generate_dataset
 
     root = tmp_path_factory.mktemp("sim") / "kitti"
     generate_dataset(root, 6, seed=1, workers=1, spec=LidarSpec(columns=600), progress=False)
