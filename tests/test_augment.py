@@ -385,7 +385,7 @@ def test_real_kitti_gt_sampling(kitti_real, tmp_path):
 
 
 def test_points_in_boxes_sparse_equals_dense():
-    from detector.data.augment import points_in_boxes_sparse
+    from detector.data.structures import points_in_boxes_sparse
 
     frame = make_scene(11, n_boxes=8)
     # Add points exactly on box faces and corners (the borderline cases).

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from detector.data.kitti import RoadMap
-from detector.data.structures import Boxes3D, Frame, wrap_angle
+from detector.data.structures import Boxes3D, Frame, points_in_boxes_sparse, wrap_angle
 
 if TYPE_CHECKING:  # pragma: no cover
     from detector.data.gt_database import GtDatabase
@@ -71,29 +71,6 @@ def bev_boxes_overlap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def _rotate_xy(xy: np.ndarray, angle: float) -> np.ndarray:
     c, s = math.cos(angle), math.sin(angle)
     return np.stack([c * xy[..., 0] - s * xy[..., 1], s * xy[..., 0] + c * xy[..., 1]], axis=-1)
-
-
-def points_in_boxes_sparse(points: np.ndarray, boxes: Boxes3D) -> list[np.ndarray]:
-    """Per box, the sorted indices of the ``points`` [M, >=3] inside it, with exactly the semantics (and
-    arithmetic) of ``Boxes3D.points_in_boxes`` (margin 0), without the dense [M, N] test: each box only
-    tests the points of its (padded) BEV bounding box, found in the x-sorted points."""
-    n = len(boxes)
-    if n == 0:
-        return []
-    order = np.argsort(points[:, 0], kind="stable")
-    xs = points[order, 0]
-    corners = boxes.bev_corners().detach().cpu().double().numpy()  # [N, 4, 2]
-    pad = 1e-3  # beyond any float32 rounding of the exact test
-    lo, hi = corners.min(axis=1) - pad, corners.max(axis=1) + pad
-    out = []
-    for j in range(n):
-        cand = order[np.searchsorted(xs, lo[j, 0], "left"): np.searchsorted(xs, hi[j, 0], "right")]
-        y = points[cand, 1]
-        cand = cand[(y >= lo[j, 1]) & (y <= hi[j, 1])]
-        if len(cand):
-            cand = cand[boxes[j].points_in_boxes(points[cand]).numpy()[:, 0]]
-        out.append(np.sort(cand))
-    return out
 
 
 def _any_box(n_points: int, members: list[np.ndarray]) -> np.ndarray:

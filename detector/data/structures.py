@@ -229,6 +229,29 @@ class Boxes3D:
         return bbox, visible
 
 
+def points_in_boxes_sparse(points: np.ndarray, boxes: Boxes3D) -> list[np.ndarray]:
+    """Per box, the sorted indices of the ``points`` [M, >=3] inside it, with exactly the semantics (and
+    arithmetic) of ``Boxes3D.points_in_boxes`` (margin 0), without the dense [M, N] test: each box only
+    tests the points of its (padded) BEV bounding box, found in the x-sorted points."""
+    n = len(boxes)
+    if n == 0:
+        return []
+    order = np.argsort(points[:, 0], kind="stable")
+    xs = points[order, 0]
+    corners = boxes.bev_corners().detach().cpu().double().numpy()  # [N, 4, 2]
+    pad = 1e-3  # beyond any float32 rounding of the exact test
+    lo, hi = corners.min(axis=1) - pad, corners.max(axis=1) + pad
+    out = []
+    for j in range(n):
+        cand = order[np.searchsorted(xs, lo[j, 0], "left"): np.searchsorted(xs, hi[j, 0], "right")]
+        y = points[cand, 1]
+        cand = cand[(y >= lo[j, 1]) & (y <= hi[j, 1])]
+        if len(cand):
+            cand = cand[boxes[j].points_in_boxes(points[cand]).numpy()[:, 0]]
+        out.append(np.sort(cand))
+    return out
+
+
 @dataclass
 class Frame:
     """One KITTI-format frame as the data pipeline sees it.
