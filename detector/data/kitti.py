@@ -21,33 +21,32 @@ from pathlib import Path
 import numpy as np
 
 from detector.data.structures import Boxes3D, Frame
+from detector.errors import KittiFormatError
 
 CLASSES = ("Car", "Van", "Truck", "Pedestrian", "Person_sitting", "Cyclist", "Tram", "Misc", "DontCare")
 _CLASS_SET = frozenset(CLASSES)
 IMAGE_SIZE = (1242, 375)  # (width, height) of KITTI's left colour camera, used where no image is at hand
 
 
-class KittiFormatError(ValueError):
-    """A KITTI-format file is missing or invalid. The message names the file (and line)."""
-
-    def __init__(self, path: str | Path, message: str, line: int | None = None):
-        self.path = str(path)
-        self.line = line
-        where = f"{path}:{line}" if line is not None else f"{path}"
-        super().__init__(f"{where}: {message}")
-
-
 # --------------------------------------------------------------------------------------------------
 # Labels
 # --------------------------------------------------------------------------------------------------
+_NUMERIC_FIELDS = ("truncated", "occluded", "alpha", "bbox", "dimensions", "location", "rotation_y", "score")
+
+
 @dataclass
 class KittiLabels:
-    """The objects of one label (or result) file, as arrays of length N (KITTI's field order).
+    """The objects of one label (or result) file, as arrays of length N (KITTI's field order): THE record
+    type of the project. The reader, the result writer and the metric (whose
+    :class:`~detector.eval.overlap.Records` is a KittiLabels of many frames) all use it.
 
     name: object type; truncated: 0..1; occluded: 0 (visible) .. 3 (unknown), -1 for DontCare;
     alpha: observation angle; bbox: [N, 4] left, top, right, bottom (pixels); dimensions: [N, 3]
     h, w, l (m); location: [N, 3] bottom centre in the rectified camera frame (m); rotation_y: about
     the camera's y axis; score: detection confidence (result files only, else None).
+
+    Every numeric field is float64 (converted on construction), as the KITTI devkit reads every field as
+    a double: the values of a file reach the metric unchanged (no float32 step, no decimal recovery).
     """
 
     name: np.ndarray
@@ -60,22 +59,29 @@ class KittiLabels:
     rotation_y: np.ndarray
     score: np.ndarray | None = None
 
+    def __post_init__(self):
+        self.name = np.asarray(self.name, dtype=str)
+        for key in _NUMERIC_FIELDS:
+            v = getattr(self, key)
+            if v is not None:
+                setattr(self, key, np.asarray(v, dtype=np.float64))
+
     def __len__(self) -> int:
         return len(self.name)
 
     @classmethod
     def empty(cls, with_score: bool = False) -> KittiLabels:
-        z = np.zeros(0, dtype=np.float32)
+        z = np.zeros(0)
         return cls(
             np.zeros(0, dtype="<U16"),
             z,
-            np.zeros(0, dtype=np.int32),
             z,
-            np.zeros((0, 4), np.float32),
-            np.zeros((0, 3), np.float32),
-            np.zeros((0, 3), np.float32),
             z,
-            z.copy() if with_score else None,
+            np.zeros((0, 4)),
+            np.zeros((0, 3)),
+            np.zeros((0, 3)),
+            z,
+            z if with_score else None,
         )
 
     def select(self, idx: np.ndarray) -> KittiLabels:
@@ -95,7 +101,10 @@ class KittiLabels:
 
 def parse_label_lines(lines: list[str], path: str | Path, with_score: bool | None = None) -> KittiLabels:
     """Parse label lines. ``with_score``: True requires the 16th field, False forbids it, None allows
-    either (all lines must agree). Vectorized; on invalid input the first offending line is named."""
+    either (all lines must agree). Every number is read as float64 (as the devkit's ``%lf``); NaN or
+    infinite values, non-numeric fields, a wrong field count, negative sizes (except DontCare) and, in
+    label files, a non-integer ``occluded`` are errors naming the file and line. Vectorized; on invalid
+    input the first offending line is named."""
     numbered = [(i, s.split()) for i, s in enumerate(lines, start=1) if s.strip()]
     if not numbered:
         return KittiLabels.empty(with_score=bool(with_score))
@@ -109,7 +118,8 @@ def parse_label_lines(lines: list[str], path: str | Path, with_score: bool | Non
         names = np.array(name_list, dtype="<U16")
         a = np.array([float(v) for _, f in numbered for v in f[1:]], dtype=np.float64).reshape(len(numbered), -1)
         care = names != "DontCare"
-        if not np.isfinite(a).all() or (a[:, 1] != np.round(a[:, 1])).any() or (a[care][:, 7:10] < 0).any():
+        int_occ = n_fields == 16 or (a[:, 1] == np.round(a[:, 1])).all()  # the devkit ignores it in results
+        if not np.isfinite(a).all() or not int_occ or (a[care][:, 7:10] < 0).any():
             raise ValueError
     except ValueError:
         _raise_first_bad_line(numbered, path)
@@ -121,15 +131,19 @@ def parse_label_lines(lines: list[str], path: str | Path, with_score: bool | Non
     has_score = n_fields == 16
     return KittiLabels(
         name=names,
-        truncated=a[:, 0].astype(np.float32),
-        occluded=a[:, 1].astype(np.int32),
-        alpha=a[:, 2].astype(np.float32),
-        bbox=a[:, 3:7].astype(np.float32),
-        dimensions=a[:, 7:10].astype(np.float32),
-        location=a[:, 10:13].astype(np.float32),
-        rotation_y=a[:, 13].astype(np.float32),
-        score=a[:, 14].astype(np.float32) if has_score else None,
+        truncated=a[:, 0],
+        occluded=a[:, 1],
+        alpha=a[:, 2],
+        bbox=a[:, 3:7],
+        dimensions=a[:, 7:10],
+        location=a[:, 10:13],
+        rotation_y=a[:, 13],
+        score=a[:, 14] if has_score else None,
     )
+
+
+_FIELD_NAMES = ("truncated", "occluded", "alpha", "left", "top", "right", "bottom", "height", "width", "length",
+                "x", "y", "z", "rotation_y", "score")
 
 
 def _raise_first_bad_line(numbered: list[tuple[int, list[str]]], path: str | Path) -> None:
@@ -145,13 +159,16 @@ def _raise_first_bad_line(numbered: list[tuple[int, list[str]]], path: str | Pat
             raise KittiFormatError(path, f"{len(f)} fields where earlier lines have {n_fields}", i)
         if f[0] not in CLASSES:
             raise KittiFormatError(path, f"unknown object type {f[0]!r} (expected one of {', '.join(CLASSES)})", i)
-        try:
-            vals = [float(v) for v in f[1:]]
-        except ValueError:
-            raise KittiFormatError(path, f"non-numeric field in {s!r}", i) from None
+        for k, v in enumerate(f[1:], start=2):
+            try:
+                float(v)
+            except ValueError:
+                field = _FIELD_NAMES[k - 2] if k - 2 < len(_FIELD_NAMES) else "score"
+                raise KittiFormatError(path, f"non-numeric {field} (field {k}) {v!r} in {s!r}", i) from None
+        vals = [float(v) for v in f[1:]]
         if not all(math.isfinite(v) for v in vals):
             raise KittiFormatError(path, f"NaN or infinite value in {s!r}", i)
-        if vals[1] != int(vals[1]):
+        if len(f) == 15 and vals[1] != int(vals[1]):
             raise KittiFormatError(path, f"occluded must be an integer, got {f[2]!r}", i)
         if f[0] != "DontCare" and min(vals[7:10]) < 0:
             raise KittiFormatError(path, f"negative box size (h, w, l) = {tuple(vals[7:10])}", i)
@@ -170,7 +187,8 @@ def read_label(path: str | Path, with_score: bool | None = None) -> KittiLabels:
 
 
 def format_label_lines(labels: KittiLabels) -> list[str]:
-    """KITTI text lines (2 decimals as in the official files; score with 4)."""
+    """KITTI text lines: 2 decimals as in the official files; the score as the shortest decimal that reads
+    back as the same float64 (``repr``), so distinct scores stay distinct in result files."""
     out = []
     for i in range(len(labels)):
         b, d, l = labels.bbox[i], labels.dimensions[i], labels.location[i]
@@ -180,7 +198,7 @@ def format_label_lines(labels: KittiLabels) -> list[str]:
             f"{l[0]:.2f} {l[1]:.2f} {l[2]:.2f} {labels.rotation_y[i]:.2f}"
         )
         if labels.score is not None:
-            s += f" {labels.score[i]:.4f}"
+            s += f" {float(labels.score[i])!r}"
         out.append(s)
     return out
 
@@ -207,20 +225,25 @@ def boxes_to_labels(
     occluded: np.ndarray | None = None,
 ) -> KittiLabels:
     """LiDAR-frame boxes → KITTI label/result records: camera-frame geometry, alpha, and the 2D box of
-    the projected 3D box clipped to the image. Boxes entirely outside the image keep a zero 2D box."""
+    the projected 3D box clipped to the image. Boxes entirely outside the image keep a zero 2D box.
+    float32 scores (a network's output) become the shortest decimal of their float32 value."""
     n = len(boxes)
     loc, dims, ry = boxes.to_camera(calib)
     bbox, _ = boxes.project_to_image(calib, image_size)
+    if scores is not None:
+        scores = np.asarray(scores).reshape(n)
+        if scores.dtype == np.float32:
+            scores = np.array([float(np.format_float_positional(v, unique=True)) for v in scores])
     return KittiLabels(
         name=np.asarray(names, dtype="<U16").reshape(n),
-        truncated=np.zeros(n, np.float32) if truncated is None else np.asarray(truncated, np.float32),
-        occluded=np.zeros(n, np.int32) if occluded is None else np.asarray(occluded, np.int32),
-        alpha=observation_angle(loc, ry).astype(np.float32),
-        bbox=bbox.astype(np.float32),
-        dimensions=dims.astype(np.float32),
-        location=loc.astype(np.float32),
-        rotation_y=ry.astype(np.float32),
-        score=None if scores is None else np.asarray(scores, np.float32).reshape(n),
+        truncated=np.zeros(n) if truncated is None else truncated,
+        occluded=np.zeros(n) if occluded is None else occluded,
+        alpha=observation_angle(loc, ry),
+        bbox=bbox,
+        dimensions=dims,
+        location=loc,
+        rotation_y=ry,
+        score=scores,
     )
 
 
@@ -536,16 +559,18 @@ class KittiRoot:
         return Frame(frame_id, points, calib, boxes, names, labels, road)
 
 
-# KITTI's difficulty levels: (min 2D box height px, max occlusion level, max truncation).
+# KITTI's difficulty levels: (2D box height must EXCEED this (px), max occlusion level, max truncation).
+# The one definition: detector.eval.protocol builds its levels from it.
 DIFFICULTY_LEVELS = {"easy": (40.0, 0, 0.15), "moderate": (25.0, 1, 0.30), "hard": (25.0, 2, 0.50)}
 
 
 def difficulty(labels: KittiLabels) -> np.ndarray:
     """Easiest KITTI level of each object: 0 easy, 1 moderate, 2 hard, -1 none (levels are cumulative:
-    an easy object also counts for moderate and hard)."""
+    an easy object also counts for moderate and hard). As in the devkit, a box of exactly the minimum
+    height (40.00 px for easy) is below the level."""
     height = labels.bbox[:, 3] - labels.bbox[:, 1]
     out = np.full(len(labels), -1, dtype=np.int8)
     for lvl, (min_h, max_occ, max_trunc) in reversed(list(enumerate(DIFFICULTY_LEVELS.values()))):
-        ok = (height >= min_h) & (labels.occluded <= max_occ) & (labels.truncated <= max_trunc)
+        ok = (height > min_h) & (labels.occluded <= max_occ) & (labels.truncated <= max_trunc)
         out[ok] = lvl
     return out

@@ -7,8 +7,8 @@ by distance range. Pure NumPy on the CPU.
     print(result.table())
 
 The protocol (and the one place where we extend it, AP by distance) is described in
-:mod:`detector.eval.protocol`; :mod:`detector.eval.reference` is its literal frame-by-frame form, and
-:mod:`detector.eval.matching` the vectorized form used here.
+:mod:`detector.eval.protocol`; :mod:`detector.eval.reference` is an independent literal frame-by-frame
+form (the test oracle), and :mod:`detector.eval.matching` the vectorized form used here.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from detector.eval.protocol import (
     MIN_OVERLAP,
     N_SAMPLE_PTS,
     NEIGHBOUR,
+    NO_DETECTION,
     Level,
     ap_r11,
     ap_r40,
@@ -239,7 +240,8 @@ def _class_data(
     is_cls = G.name == cls
     gt = np.flatnonzero(is_cls | (G.name == neighbour)) if neighbour else np.flatnonzero(is_cls)
     d_cls = D.name == cls
-    det = np.flatnonzero(d_cls | (det_height < max_min_height))
+    # R5: a detection scored at or below NO_DETECTION takes no part at any level.
+    det = np.flatnonzero((d_cls | (det_height < max_min_height)) & (D.score > NO_DETECTION))
     pg, pd = _frame_pairs(G.frame[gt], D.frame[det], G.num_frames)
     dc = np.flatnonzero(G.name == "DontCare")
     cls_pos = np.flatnonzero(d_cls[det])
@@ -411,16 +413,12 @@ def _states(
     """(GT state, detection state) of the class's candidates at one level: 0 counted, 1 ignored, -1 (for
     detections) not a candidate."""
     g = cd.gt
-    inside = (
-        (G.occluded[g] <= lv.max_occlusion)
-        & (G.truncated[g] <= lv.max_truncation)
-        & (g_height[g] >= lv.min_height)
-    )
+    inside = lv.gt_counted(g_height[g], G.occluded[g], G.truncated[g])
     if lv.has_range:
         inside &= (g_dist[g] >= lv.min_distance) & (g_dist[g] < lv.max_distance)
     gs = np.where(cd.gt_is_class & inside, 0, 1)
     d = cd.det
-    low = d_height[d] < lv.min_height
+    low = lv.det_ignored(d_height[d])
     ds = np.where(low, 1, np.where(cd.det_is_class, 0, -1))
     if lv.has_range:
         out_of_range = (d_dist[d] < lv.min_distance) | (d_dist[d] >= lv.max_distance)

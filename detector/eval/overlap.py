@@ -1,13 +1,9 @@
-"""KITTI records as flat float64 arrays, and the protocol's overlap between detection and GT records.
+"""KITTI records of many frames, and the protocol's overlap between detection and GT records.
 
-``Records`` concatenates the records of many frames (``frame`` gives each record's frame index), in
-frame order and file order within a frame, which is the order the protocol's matching depends on.
-
-Exact decimal values: :class:`~detector.data.kitti.KittiLabels` stores float32, but the devkit reads the
-files' decimal text as float64, and its level tests (2D height ≥ 40 px, truncation ≤ 0.15) and 2D
-overlaps are decided on those float64 values. For the 2D boxes and the truncation we recover them: each
-float32 value becomes the shortest decimal (≤ 6 places) that rounds to it, which is the file's value
-whenever the file had up to 6 decimals and 7 significant digits. Other fields are used as float32 → float64.
+:class:`Records` is a :class:`~detector.data.kitti.KittiLabels` (the project's one record type, float64
+fields) holding the records of many frames concatenated, in frame order and file order within a frame
+(the order the protocol's matching depends on), plus the frame index of each record and the derived
+geometry the overlaps need. Values are used exactly as read: no float32 step, no decimal recovery.
 """
 
 from __future__ import annotations
@@ -23,48 +19,16 @@ from detector.data.kitti import KittiLabels
 from detector.eval.iou import bev_intersection_paired, box2d_overlap_paired, camera_bev, rect_area
 
 
-def decimal_float64(a: np.ndarray) -> np.ndarray:
-    """float32 values → float64 of the shortest decimal (0..6 places) that rounds to the same float32;
-    float64 input is returned as is."""
-    a = np.asarray(a)
-    if a.dtype != np.float32:
-        return a.astype(np.float64)
-    flat = a.reshape(-1)
-    d = flat.astype(np.float64)
-    out = d.copy()
-    todo = np.arange(d.size)
-    for places in (2, 0, 1, 3, 4, 5, 6):  # 2 first: KITTI files write 2 decimals
-        r = np.round(d[todo], places)
-        ok = r.astype(np.float32) == flat[todo]
-        out[todo[ok]] = r[ok]
-        todo = todo[~ok]
-        if todo.size == 0:
-            break
-    return out.reshape(a.shape)
-
-
 @dataclass
-class Records:
-    """N KITTI records of one or many frames as float64 arrays (fields as in ``KittiLabels``).
+class Records(KittiLabels):
+    """The records of one or many frames as one KittiLabels (its float64 fields, concatenated).
 
     ``frame`` [N] frame index of each record; ``offsets`` [F + 1] the records of frame f are
     ``offsets[f]:offsets[f + 1]``. ``score`` is None for ground truth.
     """
 
-    name: np.ndarray
-    truncated: np.ndarray
-    occluded: np.ndarray
-    alpha: np.ndarray
-    bbox: np.ndarray
-    dimensions: np.ndarray
-    location: np.ndarray
-    rotation_y: np.ndarray
-    score: np.ndarray | None
-    frame: np.ndarray
-    offsets: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.name)
+    frame: np.ndarray | None = None
+    offsets: np.ndarray | None = None
 
     @property
     def num_frames(self) -> int:
@@ -76,19 +40,18 @@ class Records:
         counts = np.array([len(f) for f in frames], dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(counts)])
 
-        def cat(field: str, width: int | None, dtype=np.float64, exact: bool = False) -> np.ndarray:
+        def cat(field: str, width: int | None) -> np.ndarray:
             if not frames:
-                return np.zeros((0,) if width is None else (0, width), dtype)
-            a = np.concatenate([getattr(f, field) for f in frames])
-            return decimal_float64(a) if exact else a.astype(dtype)
+                return np.zeros((0,) if width is None else (0, width))
+            return np.concatenate([getattr(f, field) for f in frames])
 
         name = np.concatenate([f.name for f in frames]).astype(str) if frames else np.zeros(0, str)
         return cls(
             name=name,
-            truncated=cat("truncated", None, exact=True),
-            occluded=cat("occluded", None, np.int64),
+            truncated=cat("truncated", None),
+            occluded=cat("occluded", None),
             alpha=cat("alpha", None),
-            bbox=cat("bbox", 4, exact=True),
+            bbox=cat("bbox", 4),
             dimensions=cat("dimensions", 3),
             location=cat("location", 3),
             rotation_y=cat("rotation_y", None),
@@ -101,19 +64,8 @@ class Records:
         """A subset as its own Records (frame indices kept; offsets recomputed)."""
         frame = self.frame[idx]
         counts = np.bincount(frame, minlength=self.num_frames)
-        return Records(
-            self.name[idx],
-            self.truncated[idx],
-            self.occluded[idx],
-            self.alpha[idx],
-            self.bbox[idx],
-            self.dimensions[idx],
-            self.location[idx],
-            self.rotation_y[idx],
-            None if self.score is None else self.score[idx],
-            frame,
-            np.concatenate([[0], np.cumsum(counts)]),
-        )
+        sub = KittiLabels.select(self, idx)
+        return Records(**vars(sub), frame=frame, offsets=np.concatenate([[0], np.cumsum(counts)]))
 
     def height(self) -> np.ndarray:
         """2D box height, bottom − top (pixels)."""

@@ -1,32 +1,62 @@
-"""The KITTI object-detection evaluation protocol: its constants and its two scalar rules.
+"""The KITTI object-detection evaluation protocol: its constants and its scalar rules.
 
-Written from the protocol of the KITTI devkit (``evaluate_object``), which defines the official numbers:
+Written from the protocol of the KITTI devkit (``evaluate_object``), which defines the official numbers.
+Each rule below has a hand-built test (tests/test_eval_protocol.py, tests/test_eval_metric.py) whose
+expected AP follows from the rule as stated here.
 
-- Classes Car, Pedestrian, Cyclist; minimum overlap 0.7 / 0.5 / 0.5 in every metric (2D, BEV, 3D). A
-  detection matches a ground truth (GT) only if their overlap is **strictly greater** than the minimum.
-- Levels (cumulative): easy / moderate / hard = GT 2D box height ≥ 40 / 25 / 25 px, occlusion ≤ 0 / 1 / 2,
-  truncation ≤ 0.15 / 0.30 / 0.50. A GT of the class outside the level is *ignored* (neither TP nor
-  FN; a detection matched to it is neither TP nor FP). The neighbour classes Van (for Car) and
-  Person_sitting (for Pedestrian) are always ignored GT. Other classes play no part.
-- A detection whose 2D box is lower than the level's minimum height is *ignored* (never a FP; matching
-  it to a GT makes that GT neither TP nor FN). The devkit applies this to detections of every class
-  (a low detection of another class can absorb a GT); we reproduce it.
-- DontCare regions: a detection of the class not matched to any GT whose overlap with a DontCare record,
-  measured as intersection over the *detection's* area (volume in 3D) in the metric's own geometry,
-  exceeds the class's minimum overlap is not a FP. KITTI's DontCare records carry a placeholder 3D box
-  far away (dims −1, location −1000), so in practice they matter in 2D only.
-- Matching, frame by frame, GT in file order: first pass (all detections), each GT takes the unassigned
-  candidate with the highest score; the scores of the true positives give the score thresholds
-  (:func:`score_thresholds`). Second pass, per threshold (detections below it are dropped): each GT
-  takes the unassigned non-ignored candidate with the largest overlap, else the first ignored one.
-- Precision at each threshold = TP / (TP + FP), made monotone (max over all higher-recall thresholds);
-  41 sampled points (index i ~ recall i/40), zero beyond the last threshold. AP R40 = mean of points
-  1..40, AP R11 = mean of points 0, 4, ..., 40 (the official metric before 2019). AOS uses the
-  orientation similarity (1 + cos(Δalpha)) / 2 summed over TPs in place of TP (2D matching).
+Reading
+  R1. Every numeric field of label and result files is read as float64 (the devkit's ``%lf``) and used
+      as read, for GT and detections alike: 40 − 1e-7 px stays below 40, scores 1e-9 apart stay distinct.
+      Result files: 16 fields (15 + score); label files: 15, ``occluded`` an integer. Fewer or more
+      fields, a non-numeric field, NaN or infinity: one error naming the file and line.
 
-Where the devkit leaves a case open we decide: a threshold with TP + FP = 0 has precision 0 (the devkit
-divides 0 by 0); a class with no counted GT (or no detections) gets AP 0 and is still reported (the devkit
-skips classes without detections); the number of counted GT is reported with the APs.
+Which records take part (per class and level)
+  R2. Classes Car, Pedestrian, Cyclist. The neighbour classes Van (for Car) and Person_sitting (for
+      Pedestrian) are always *ignored* GT; other classes' GT play no part.
+  R3. Levels (cumulative): easy / moderate / hard. A GT of the class is counted iff its 2D height
+      (bottom − top) is **greater than** 40 / 25 / 25 px (at or below the minimum it is ignored: a GT of
+      exactly 40.00 px is not easy), occlusion ≤ 0 / 1 / 2 and truncation ≤ 0.15 / 0.30 / 0.50 (both
+      borders inclusive); otherwise it is *ignored* (neither TP nor FN; a detection matched to it is
+      neither TP nor FP).
+  R4. A detection whose 2D height abs(bottom − top) is **strictly below** the level's minimum is
+      *ignored* (never a FP; matched to a GT it makes that GT neither TP nor FN); exactly at the minimum it
+      counts. The devkit applies this to detections of every class (a low detection of another class can
+      absorb a GT); we reproduce it.
+  R5. NO_DETECTION: a detection whose score is at or below the devkit's ``NO_DETECTION`` = −1e7 is never
+      assigned to a GT in the first pass (the devkit requires a score strictly above the running best,
+      which starts at NO_DETECTION); its score is therefore below every threshold of the second pass, so
+      it is never a TP, never a FP and absorbs no GT: it takes no part at all.
+
+Overlap
+  R6. Minimum overlap 0.7 / 0.5 / 0.5 in every metric (2D, BEV, 3D); a detection can match a GT only if
+      their overlap is **strictly greater** than the minimum. 2D: image boxes; BEV: rotated rectangles
+      in the camera x–z plane; 3D: BEV × the vertical extent [y − h, y] (y is the box bottom).
+  R7. DontCare regions: a detection of the class not matched to any GT whose overlap with a DontCare
+      record, measured as intersection over the *detection's* area (volume in 3D) in the metric's own
+      geometry, exceeds the class's minimum overlap is not a FP. KITTI's DontCare records carry a
+      placeholder 3D box far away (dims −1, location −1000), so in practice they matter in 2D only.
+
+Matching and AP
+  R8. Frame by frame, GT in file order. First pass (all detections): each GT takes the unassigned
+      candidate with the highest score (first in file order on ties); the scores of the true positives
+      give the score thresholds (:func:`score_thresholds`, at most 41). Second pass, per threshold
+      (detections with score below it are dropped): each GT takes the unassigned non-ignored candidate
+      with the largest overlap, else the first ignored one.
+  R9. Precision at each threshold = TP / (TP + FP), made monotone (max over all higher-recall
+      thresholds); 41 sampled points (index i ~ recall i/40), zero beyond the last threshold. AP R40 =
+      mean of points 1..40, AP R11 = mean of points 0, 4, ..., 40. AOS uses the orientation similarity
+      (1 + cos(Δalpha)) / 2 summed over TPs in place of TP (2D matching).
+
+Deliberate differences from the devkit (each documented where it is decided):
+  D1. Overlaps are exact (polygon clipping in float64, :mod:`detector.eval.iou`); the devkit's boost
+      polygons can differ by ~1e-7, so a pair within ~1e-7 of a minimum overlap may match in one and not
+      the other. We keep ours exact (identical boxes give IoU exactly 1).
+  D2. A threshold with TP + FP = 0 has precision 0 (the devkit divides 0 by 0).
+  D3. A class with no counted GT (or no detections) gets AP 0 and is still reported (the devkit skips
+      classes without detections); the number of counted GT is reported with the APs.
+  D4. AP by distance (:func:`distance_levels`) is our extension, not part of KITTI.
+  D5. Unknown class names and lower-case names are an error naming the file and line (the devkit skips
+      or misreads them). In result files ``occluded`` need not be an integer (the devkit ignores it).
 """
 
 from __future__ import annotations
@@ -37,18 +67,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from detector.data.kitti import DIFFICULTY_LEVELS
+
 CLASSES = ("Car", "Pedestrian", "Cyclist")
 MIN_OVERLAP = {"Car": 0.7, "Pedestrian": 0.5, "Cyclist": 0.5}
 NEIGHBOUR = {"Car": "Van", "Pedestrian": "Person_sitting"}
 METRICS = ("2d", "bev", "3d", "aos")
 N_SAMPLE_PTS = 41
+NO_DETECTION = -1e7  # the devkit's NO_DETECTION: detections scored at or below it take no part (R5)
 
 
 @dataclass(frozen=True)
 class Level:
     """Which GT and detections count at one evaluation level.
 
-    A GT of the class is counted iff 2D height (bottom − top) ≥ ``min_height``, occlusion ≤
+    A GT of the class is counted iff 2D height (bottom − top) > ``min_height``, occlusion ≤
     ``max_occlusion``, truncation ≤ ``max_truncation`` and its distance lies in [min_distance,
     max_distance); otherwise ignored. A detection is ignored iff abs(2D height) < ``min_height`` or (for
     detections of the class) its distance lies outside the range. Distance = sqrt(x² + z²) of the box's
@@ -66,12 +99,16 @@ class Level:
     def has_range(self) -> bool:
         return self.min_distance > 0 or math.isfinite(self.max_distance)
 
+    def gt_counted(self, height, occluded, truncated):
+        """R3 on arrays (the distance range is checked by the caller)."""
+        return (height > self.min_height) & (occluded <= self.max_occlusion) & (truncated <= self.max_truncation)
 
-KITTI_LEVELS = (
-    Level("easy", 40, 0, 0.15),
-    Level("moderate", 25, 1, 0.30),
-    Level("hard", 25, 2, 0.50),
-)
+    def det_ignored(self, height):
+        """R4 on arrays: abs(2D height) strictly below the minimum."""
+        return np.abs(height) < self.min_height
+
+
+KITTI_LEVELS = tuple(Level(name, h, occ, trunc) for name, (h, occ, trunc) in DIFFICULTY_LEVELS.items())
 
 DISTANCE_RANGES = ((0.0, 30.0), (30.0, 50.0), (50.0, math.inf))
 
@@ -82,12 +119,13 @@ def range_name(lo: float, hi: float) -> str:
 
 def distance_levels(ranges: Sequence[tuple[float, float]] = DISTANCE_RANGES) -> tuple[Level, ...]:
     """Levels for AP by distance (not part of KITTI): the hard level's occlusion/truncation limits, no
-    minimum 2D height (far objects are small in the image), GT and detections outside the range ignored."""
+    minimum 2D height (far objects are small in the image; min_height −inf, so even a GT with a zero 2D
+    box counts), GT and detections outside the range ignored."""
     out = []
     for lo, hi in ranges:
         if not (0 <= lo < hi):
             raise ValueError(f"distance range ({lo}, {hi}) must satisfy 0 <= lo < hi")
-        out.append(Level(range_name(lo, hi), 0, 2, 0.50, float(lo), float(hi)))
+        out.append(Level(range_name(lo, hi), -math.inf, 2, 0.50, float(lo), float(hi)))
     return tuple(out)
 
 

@@ -59,17 +59,17 @@ def project_boxes(loc: np.ndarray, dims: np.ndarray, ry: np.ndarray) -> tuple[np
 
 def _labels(name, trunc, occ, alpha, bbox, dims, loc, ry, score=None) -> KittiLabels:
     # Round like the files (2 decimals; 4 for scores) so values survive a write/read round trip.
-    r = lambda a: np.round(np.asarray(a, np.float64), 2).astype(np.float32)  # noqa: E731
+    r = lambda a: np.round(np.asarray(a, np.float64), 2)  # noqa: E731
     return KittiLabels(
         np.asarray(name, dtype="<U16"),
         r(trunc),
-        np.asarray(occ, np.int32),
+        np.asarray(occ, np.float64),
         r(alpha),
         r(bbox).reshape(-1, 4),
         r(dims).reshape(-1, 3),
         r(loc).reshape(-1, 3),
         r(ry),
-        None if score is None else np.round(np.asarray(score, np.float64), 4).astype(np.float32),
+        None if score is None else np.round(np.asarray(score, np.float64), 4),
     )
 
 
