@@ -1,0 +1,59 @@
+// Host side of the sbnet CUDA kernels, shared with their CPU emulation (emulate/cuda_bodies.cpp).
+//
+// Each op's host code (argument checks, allocation, dtype dispatch, the sequence of launches: the
+// adjoint's phase loop) is a function template `plan::op<Exec>` in cuda/<op>.h. Exec is the device:
+//
+//   struct Exec {
+//     using Guard = ...;                       // device guard, constructed from a c10::Device
+//     template <class F>
+//     static void launch(int64_t total, const F& f);  // one kernel: f(i) for every i in [0, total)
+//   };
+//
+// cuda/launch.cuh's CudaExec launches a grid-stride loop (SBNET_KERNEL_LOOP) on the current stream;
+// the emulator's EmuExec runs the same loop serially on the host. Every functor F below calls exactly
+// one body from elements.h, so the CUDA build and the emulated build differ only in Exec.
+#pragma once
+
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/ArrayRef.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+
+#include "common.h"
+#include "elements.h"
+
+namespace sbnet {
+namespace plan {
+
+// Every float dtype the ops take: float16, bfloat16, float32, float64.
+#define SBNET_DISPATCH_FLOAT(type, name, ...) \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, type, name, __VA_ARGS__)
+
+inline void check_dim4(const char* op, const char* name, const at::Tensor& t, const char* shape) {
+  TORCH_CHECK(t.dim() == 4, op, ": ", name, " must be 4-D ", shape, ", got ", t.sizes());
+}
+
+// A second data tensor (blocks, a second map) must match the first one's dtype and device.
+inline void check_like(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
+                       const at::Tensor& ref) {
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), op, ": ", name, " (", t.scalar_type(), ") and ", ref_name,
+              " (", ref.scalar_type(), ") must have the same dtype");
+  TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but ", ref_name, " is on ",
+              ref.device());
+}
+
+// A block tensor [K, C, h, w] must have one row per index and its map's channels.
+inline void check_blocks(const char* op, const char* name, const at::Tensor& blocks, int64_t K, int64_t C) {
+  TORCH_CHECK(blocks.size(0) == K && blocks.size(1) == C, op, ": ", name, " ", blocks.sizes(), " does not match ",
+              K, " indices and the map's ", C, " channels");
+}
+
+inline Layout layout_of(c10::IntArrayRef size, bool nhwc) {
+  return Layout{size[0], size[1], size[2], size[3], nhwc};
+}
+
+}  // namespace plan
+}  // namespace sbnet
