@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from detector.errors import CheckpointError
+
 
 class RngStateCallback(L.Callback):
     """Saves the Python, NumPy and torch (CPU and CUDA) RNG states in every checkpoint and restores them
@@ -75,10 +77,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self, path, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
         return load_checkpoint(path, map_location)
-
-
-class CheckpointError(RuntimeError):
-    pass
 
 
 def load_checkpoint(path, map_location: Any = "cpu") -> dict[str, Any]:

@@ -1,33 +1,62 @@
-"""One readable line for the errors a user can cause (bad data, bad config, bad checkpoint)."""
+"""The errors a user can cause (bad data, bad config, bad checkpoint), and the one line that reports them.
+
+This module imports nothing of ours: every layer may raise these types.
+"""
 
 from __future__ import annotations
 
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from hydra.errors import HydraException, InstantiationException
 
-from detector.callbacks import CheckpointError
-from detector.data.kitti import KittiFormatError
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the key."""
 
 
-def _root_cause(e: BaseException) -> BaseException:
+class KittiFormatError(ValueError):
+    """A KITTI-format file is missing or invalid. The message names the file (and line)."""
+
+    def __init__(self, path: str | Path, message: str, line: int | None = None):
+        self.path = str(path)
+        self.line = line
+        where = f"{path}:{line}" if line is not None else f"{path}"
+        super().__init__(f"{where}: {message}")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, or is not a plain weights checkpoint."""
+
+
+# What a user can cause: reported in one line. Anything else is a bug and keeps its traceback.
+USER_ERRORS = (ConfigError, KittiFormatError, CheckpointError, ValueError, FileNotFoundError, HydraException)
+
+
+def root_cause(e: BaseException) -> BaseException:
+    """The innermost exception of a ``raise ... from ...`` chain."""
     while e.__cause__ is not None:
         e = e.__cause__
     return e
 
 
+def one_line(e: BaseException) -> str:
+    """``error: <message>`` for a user error: the root cause's message, on one line."""
+    cause = root_cause(e)
+    msg = str(cause) if not isinstance(e, InstantiationException) or cause is not e else str(e)
+    return "error: " + " ".join(msg.split())
+
+
 def run_cleanly(fn: Callable[..., Any], *args, **kwargs) -> Any:
-    """Call ``fn``; on a user error print ``error: <message>`` and exit with status 1 (no traceback;
+    """Call ``fn``; on a user error print :func:`one_line` to stderr and exit with status 1 (no traceback;
     ``HYDRA_FULL_ERROR=1`` shows it)."""
     try:
         return fn(*args, **kwargs)
-    except (KittiFormatError, CheckpointError, ValueError, FileNotFoundError, HydraException) as e:
+    except USER_ERRORS as e:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        cause = _root_cause(e)
-        msg = str(cause) if not isinstance(e, InstantiationException) or cause is not e else str(e)
-        print(f"error: {msg}", file=sys.stderr)
+        print(one_line(e), file=sys.stderr)
         sys.exit(1)

@@ -16,18 +16,15 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from detector.callbacks import AtomicCheckpointIO, load_checkpoint
+from detector.config import check_types
 from detector.data.datamodule import KittiDataModule
 from detector.data.kitti import KittiRoot, write_label
 from detector.data.voxelize import BevGrid
+from detector.errors import ConfigError, root_cause
 from detector.models.detector import BevDetector
 from detector.module import DetectorModule, detections_to_labels, in_range_gt
 
 log = logging.getLogger(__name__)
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the key."""
-
 
 # --------------------------------------------------------------------------------------------------
 # Building blocks
@@ -36,7 +33,7 @@ def build_grid(bev_cfg: DictConfig) -> BevGrid:
     try:
         return instantiate(bev_cfg)
     except Exception as e:
-        raise ConfigError(f"bev: {_root_cause(e)}") from None
+        raise ConfigError(f"bev: {root_cause(e)}") from None
 
 
 def build_model(model_cfg: DictConfig, mask_cfg: DictConfig, grid: BevGrid) -> BevDetector:
@@ -77,39 +74,42 @@ def ensure_dataset(data_cfg: DictConfig) -> None:
     generate_dataset(root, frames=int(data_cfg.generate_frames), seed=int(data_cfg.get("seed", 0)))
 
 
+# Keys of the data config read by ensure_dataset (where the frames come from), not by the data module.
+DATASET_KEYS = ("generate_if_missing", "generate_frames")
+
+
 def build_datamodule(data_cfg: DictConfig, mask_cfg: DictConfig | None, grid: BevGrid, sparse: bool,
                      batch_size: int | None = None) -> KittiDataModule:
     provider = None
     if sparse and mask_cfg is not None and mask_cfg.get("provider") is not None:
         provider = instantiate(mask_cfg.provider)
     augment = instantiate(data_cfg.augment) if data_cfg.get("augment") else None
-    kwargs = {k: v for k, v in OmegaConf.to_container(data_cfg, resolve=True).items()
-              if k not in ("_target_", "augment", "generate_if_missing", "generate_frames")}
-    if batch_size is not None:
-        kwargs["batch_size"] = batch_size
-    return KittiDataModule(grid=grid, augment=augment, mask_provider=provider, **kwargs)
-
-
-def _root_cause(e: BaseException) -> str:
-    while e.__cause__ is not None:
-        e = e.__cause__
-    return str(e)
+    node = {k: v for k, v in OmegaConf.to_container(data_cfg, resolve=True).items()
+            if k not in ("augment", *DATASET_KEYS)}
+    extra = {} if batch_size is None else {"batch_size": batch_size}
+    return instantiate(node, _partial_=True)(grid=grid, augment=augment, mask_provider=provider, **extra)
 
 
 def validate_config(cfg: DictConfig) -> None:
+    for key in ("trainer", "data", "optimizer", "scheduler", "bev", "model.backbone", "model.coder"):
+        node = OmegaConf.select(cfg, key)
+        if isinstance(node, DictConfig):
+            check_types(node, key, skip=("batch_size",) if key == "data" else ())
     bs = cfg.data.batch_size
     if not (bs == "auto" or (isinstance(bs, int) and not isinstance(bs, bool) and bs >= 1)):
         raise ConfigError(f"data.batch_size must be a positive integer or 'auto', got {bs!r}")
-    if cfg.data.num_workers < 0:
-        raise ConfigError(f"data.num_workers must be >= 0, got {cfg.data.num_workers}")
+    nw = cfg.data.num_workers
+    if isinstance(nw, bool) or not isinstance(nw, int) or nw < 0:
+        raise ConfigError(f"data.num_workers must be an integer >= 0, got {nw!r}")
     bsz = cfg.model.block_size
     if not (bsz in ("auto", "dense") or (isinstance(bsz, int) and bsz >= 1) or OmegaConf.is_list(bsz)):
         raise ConfigError(f"model.block_size must be an int >= 1, auto, dense or a list, got {bsz!r}")
     hbs = cfg.model.get("head_block_size", 16)
     if not (isinstance(hbs, int) and not isinstance(hbs, bool) and hbs >= 1):
         raise ConfigError(f"model.head_block_size must be an int >= 1, got {hbs!r}")
-    if cfg.optimizer.lr <= 0:
-        raise ConfigError(f"optimizer.lr must be positive, got {cfg.optimizer.lr}")
+    lr = cfg.optimizer.lr
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr <= 0:
+        raise ConfigError(f"optimizer.lr must be a positive number, got {lr!r}")
     if not cfg.model.classes:
         raise ConfigError("model.classes must name at least one class")
 

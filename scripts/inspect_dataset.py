@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from detector.cli import parse_args
-from detector.data.kitti import DIFFICULTY_LEVELS, KittiFormatError, KittiRoot, difficulty
+from detector.data.kitti import DIFFICULTY_LEVELS, KittiRoot, difficulty
+from detector.errors import KittiFormatError
 
 USAGE = __doc__
 

@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 from detector.cli import parse_args
-from detector.data.kitti import KittiFormatError, KittiRoot
+from detector.data.kitti import KittiRoot
 from detector.data.structures import BOX_EDGES, Boxes3D, collate_frames
+from detector.errors import CheckpointError, KittiFormatError
 
 USAGE = __doc__
 
@@ -81,7 +82,6 @@ def main(argv=None) -> int:
         return 1
     dets, grid, mask = None, None, None
     if args["ckpt_path"]:
-        from detector.callbacks import CheckpointError
         from detector.tasks import decode_kwargs, load_detector
 
         try:

@@ -12,7 +12,6 @@ from detector.data.dataset import KittiDataset
 from detector.data.kitti import (
     CLASSES,
     Calibration,
-    KittiFormatError,
     KittiRoot,
     RoadMap,
     boxes_to_labels,
@@ -28,6 +27,7 @@ from detector.data.kitti import (
     write_road_map,
 )
 from detector.data.structures import Boxes3D, collate_frames
+from detector.errors import KittiFormatError
 from tests.conftest import make_calib
 
 LABEL_TEXT = """\

@@ -17,7 +17,8 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from detector.callbacks import CheckpointError, load_checkpoint
+from detector.callbacks import load_checkpoint
+from detector.errors import CheckpointError
 from detector.tasks import build_datamodule, build_grid, build_model, evaluate_checkpoint, train
 
 REPO = Path(__file__).resolve().parents[1]

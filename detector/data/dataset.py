@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import torch.utils.data
 
-from detector.data.kitti import Calibration, KittiFormatError, KittiRoot, in_camera_fov, read_label
+from detector.data.kitti import Calibration, KittiRoot, in_camera_fov, read_label
 from detector.data.structures import Frame
+from detector.errors import KittiFormatError
 
 log = logging.getLogger(__name__)
 
