@@ -1,0 +1,73 @@
+// CPU emulation of the sbnet CUDA kernels, built only for the tests (tests/cuda_emulation.py).
+//
+// Registers the ops of kernels/ops.cpp under the namespace sbnet_emu (torch.ops.sbnet_emu.*, CPU
+// tensors). Each op is the CUDA file's own host code (cuda/<op>.h: checks, allocation, dtype dispatch,
+// the sequence of launches, e.g. the adjoint's phase order) instantiated with EmuExec instead of
+// CudaExec: a launch runs the kernel's grid-stride loop serially on the host, calling the same functor,
+// hence the same elements.h body. What it does not cover: the launch configuration, streams, the
+// device guard, and concurrency itself (the kernels' one-writer-per-element argument is checked by
+// running each launch's elements in reverse order too: SBNET_EMU_REVERSE=1).
+#include <torch/library.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "cuda/reduce_mask.h"
+#include "cuda/sparse_gather.h"
+#include "cuda/sparse_scatter.h"
+
+namespace sbnet {
+namespace emulate {
+
+struct NoGuard {
+  explicit NoGuard(const c10::Device&) {}
+};
+
+struct EmuExec {
+  using Guard = NoGuard;
+
+  // One kernel launch: every element once. Within a launch the CUDA threads run in no set order, so the
+  // result must not depend on it; SBNET_EMU_REVERSE=1 runs the elements last to first.
+  template <class F>
+  static void launch(int64_t total, const F& f) {
+    const char* reverse = std::getenv("SBNET_EMU_REVERSE");
+    if (reverse != nullptr && std::strcmp(reverse, "1") == 0) {
+      for (int64_t i = total - 1; i >= 0; --i) f(i);
+    } else {
+      for (int64_t i = 0; i < total; ++i) f(i);
+    }
+  }
+};
+
+}  // namespace emulate
+}  // namespace sbnet
+
+// The schemas of kernels/ops.cpp (tests/test_ops_cuda_bodies.py checks that they are the same).
+TORCH_LIBRARY(sbnet_emu, m) {
+  m.def("reduce_mask(Tensor mask, int[2] bsize, int[2] bstride, int[2] boffset, int[2] bcount, "
+        "float tol, bool avgpool) -> Tensor");
+  m.def("sparse_gather(Tensor x, Tensor indices, int[2] bsize, int[2] bstride, int[2] boffset) -> Tensor");
+  m.def("sparse_gather_backward(Tensor grad_blocks, Tensor indices, int[] input_size, int[2] bstride, "
+        "int[2] boffset, bool channels_last=False) -> Tensor");
+  m.def("sparse_gather_backward_(Tensor grad_blocks, Tensor indices, Tensor(a!) grad_x, int[2] bstride, "
+        "int[2] boffset) -> ()");
+  m.def("sparse_scatter(Tensor blocks, Tensor indices, Tensor base, int[2] bstride, int[2] boffset, "
+        "bool add, bool relu=False) -> Tensor");
+  m.def("sparse_scatter_(Tensor blocks, Tensor indices, Tensor(a!) base, int[2] bstride, "
+        "int[2] boffset, bool add, bool relu=False) -> ()");
+  m.def("sparse_scatter_backward(Tensor grad_out, Tensor indices, Tensor? out_tiles, int[2] tile, "
+        "int[2] bstride, int[2] boffset, bool add, bool relu, bool need_blocks, bool need_base) "
+        "-> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(sbnet_emu, CPU, m) {
+  using sbnet::emulate::EmuExec;
+  namespace plan = sbnet::plan;
+  m.impl("reduce_mask", &plan::reduce_mask<EmuExec>);
+  m.impl("sparse_gather", &plan::sparse_gather<EmuExec>);
+  m.impl("sparse_gather_backward", &plan::sparse_gather_backward<EmuExec>);
+  m.impl("sparse_gather_backward_", &plan::sparse_gather_backward_<EmuExec>);
+  m.impl("sparse_scatter", &plan::sparse_scatter<EmuExec>);
+  m.impl("sparse_scatter_", &plan::sparse_scatter_<EmuExec>);
+  m.impl("sparse_scatter_backward", &plan::sparse_scatter_backward<EmuExec>);
+}
