@@ -51,6 +51,26 @@ inline void check_indices(const char* op, const at::Tensor& indices, const at::T
               " but the data is on ", data.device());
 }
 
+// Whether the 4-D tensor t is stored channels-last (NHWC); NCHW-contiguous is false (a tensor that is both,
+// e.g. C == 1, counts as NCHW). Any other stride pattern is an error naming the op and the argument.
+inline bool is_nhwc(const char* op, const char* name, const at::Tensor& t) {
+  if (t.is_contiguous()) return false;
+  TORCH_CHECK(t.is_contiguous(at::MemoryFormat::ChannelsLast), op, ": ", name,
+              " must be contiguous in NCHW or channels-last memory format, got strides ", t.strides());
+  return true;
+}
+
+// Check that t (blocks or a second map) is stored in the layout nhwc (as its map).
+inline void check_layout(const char* op, const char* name, const at::Tensor& t, bool nhwc) {
+  TORCH_CHECK(nhwc ? t.is_contiguous(at::MemoryFormat::ChannelsLast) : t.is_contiguous(), op, ": ", name,
+              " must be ", nhwc ? "channels-last" : "NCHW-contiguous", " like its map, got strides ",
+              t.strides());
+}
+
+inline at::MemoryFormat format_of(bool nhwc) {
+  return nhwc ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+}
+
 // Host-side check that every batch index n lies in [0, N) (what memory safety needs on the CPU).
 inline void check_batch_range_cpu(const char* op, const int32_t* idx, int64_t K, int64_t N) {
   for (int64_t k = 0; k < K; ++k) {

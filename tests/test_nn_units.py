@@ -58,7 +58,7 @@ def make_unit(v, block_size=4, seed=0, **kw) -> SparseResidualUnit:
         **kw,
     ).double()
     with torch.no_grad():  # non-trivial BN parameters and running statistics
-        for bn in u._slots:
+        for bn in u.slots:
             bn.weight.uniform_(0.5, 1.5)
             bn.bias.uniform_(-0.5, 0.5)
             bn.running_mean.uniform_(-0.5, 0.5)
@@ -287,7 +287,7 @@ def test_random_blocks_train_matches_masked_bn_oracle(v, layout):
     torch.testing.assert_close(x.grad, xd.grad, atol=ATOL, rtol=0)
     for (name, p), pd in zip(u.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, pd.grad, atol=ATOL, rtol=0, msg=name)
-    for bn, bn_ref in zip(u._slots, ref._slots, strict=True):
+    for bn, bn_ref in zip(u.slots, ref.slots, strict=True):
         rm, rv = expected[id(bn_ref)]
         torch.testing.assert_close(bn.running_mean, rm, atol=ATOL, rtol=0)
         torch.testing.assert_close(bn.running_var, rv, atol=ATOL, rtol=0)
@@ -461,7 +461,7 @@ def test_cumulative_momentum_running_stats_over_steps(layout):
     """momentum=None (cumulative average) over two steps: the same running statistics as the dense unit."""
     v = (True, False, 2, True)
     u = make_unit(v).train()
-    for bn in u._slots:
+    for bn in u.slots:
         bn.momentum = None
     twin = copy.deepcopy(u)
     for step in range(2):

@@ -331,7 +331,10 @@ _I32 = torch.int32
         (lambda bp, i, x, b: _S(b[:1], i, x, bp), ValueError, "1 blocks but indices has 2"),
         (lambda bp, i, x, b: _S(b, i, x[..., :9], bp), ValueError, r"base must be \[N, C, 12, 10\]"),
         (lambda bp, i, x, b: _S(b, i, x[:1], bp), ValueError, "column n out of range"),
-        (lambda bp, i, x, b: _S_(b.requires_grad_(), i, x, bp), RuntimeError, "for inference"),
+        (lambda bp, i, x, b: _S_(b, i, x.requires_grad_(), bp), RuntimeError, "leaf that requires grad"),
+        (lambda bp, i, x, b: _S_(b, i, x.transpose(2, 3).contiguous().transpose(2, 3), bp), ValueError,
+         r"sparse_scatter_: base must be NCHW-contiguous or channels-last to be written in place"),
+        (lambda bp, i, x, b: _S(b, i, x.to(memory_format=torch.channels_last).half(), bp), TypeError, "same dtype"),
     ],
 )
 def test_clear_errors(kernels, setup, call, exc, match):

@@ -27,23 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
-from detector.ops.blocks import BlockParams, calc_block_params
+from detector.ops.blocks import BlockParams, calc_block_params, pair
 
-__all__ = ["ConvSpec", "Level", "ChainGeometry", "chain_geometry", "LevelMasks", "BlockSpan", "level_masks"]
-
-
-def _pair(value: int | tuple[int, int], name: str) -> tuple[int, int]:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}")
-    if isinstance(value, int):
-        return (value, value)
-    if (
-        isinstance(value, (tuple, list))
-        and len(value) == 2
-        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-    ):
-        return (int(value[0]), int(value[1]))
-    raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}")
+__all__ = [
+    "ConvSpec", "Level", "ChainGeometry", "chain_geometry", "LevelMasks", "BlockSpan", "level_masks", "zero_pixels",
+]
 
 
 @dataclass(frozen=True)
@@ -79,7 +67,7 @@ class ChainGeometry:
 
 def chain_geometry(H: int, W: int, convs: tuple[ConvSpec, ...], tile: int | tuple[int, int]) -> ChainGeometry:
     """Geometry of ``convs`` run on ``tile``-pixel output tiles of an ``H x W`` input map."""
-    th, tw = _pair(tile, "tile")
+    th, tw = pair(tile, "tile")
     if th < 1 or tw < 1:
         raise ValueError(f"tile (block size) must be >= 1, got {(th, tw)}")
     if not convs:
@@ -196,3 +184,15 @@ def level_masks(indices: torch.Tensor, level: Level, span: BlockSpan | None = No
     return LevelMasks(
         outside=outside, region=(ry[:, :, None] & rx[:, None, :]).reshape(-1).nonzero().flatten(), count=count
     )
+
+
+def zero_pixels(t: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:
+    """Zero, in place, the block pixels ``pixels`` (indices into ``K * h * w``, (k, row, column) order, as
+    :attr:`LevelMasks.outside`) of every channel of ``t [K, C, h, w]``; returns ``t``."""
+    k, c, h, w = t.shape
+    if t.is_contiguous(memory_format=torch.channels_last):
+        t.permute(0, 2, 3, 1).view(k * h * w, c).index_fill_(0, pixels, 0)
+    else:
+        hit = torch.zeros(k * h * w, dtype=torch.bool, device=t.device).index_fill_(0, pixels, True)
+        t.masked_fill_(hit.view(k, 1, h, w), 0)
+    return t

@@ -65,7 +65,6 @@ class SparseResidualUnit(SparseConvChain):
         tol: float = 0.5,
         avgpool: bool = False,
         memory_budget_mb: float = 1024.0,
-        channels_last: bool = True,
     ) -> None:
         if stride not in (1, 2):
             raise ValueError(f"SparseResidualUnit: stride must be 1 or 2, got {stride}")
@@ -87,7 +86,6 @@ class SparseResidualUnit(SparseConvChain):
             tol=tol,
             avgpool=avgpool,
             memory_budget_mb=memory_budget_mb,
-            channels_last=channels_last,
             name=f"SparseResidualUnit({'bottleneck' if bottleneck else 'basic'}, "
             f"{in_channels}->{out_channels}, "
             f"stride {stride}{', preact' if preact else ''})",
@@ -128,8 +126,8 @@ class SparseStage(nn.Module):
             mask = downsample_mask(mask)
         if mask is not None and not dense and len(self.units) > 1:
             blocks: ActiveBlocks = self.units[1].active_blocks(mask)
-            for u in self.units[1:]:  # in-place into the stage's own intermediates only (inference)
-                x = u(x, blocks=blocks, inplace=x is not x_in and not torch.is_grad_enabled())
+            for u in self.units[1:]:  # in place into the stage's own intermediates only (training too)
+                x = u(x, blocks=blocks, inplace=x is not x_in)
         return x, mask
 
 
@@ -179,7 +177,7 @@ class SparseResNet(nn.Module):
         self.tol = float(tol)
         self.memory_budget_mb = float(memory_budget_mb)
         self.tuner = tuner if tuner is not None else BlockSizeTuner()
-        common = dict(tol=tol, memory_budget_mb=memory_budget_mb, channels_last=channels_last)
+        common = dict(tol=tol, memory_budget_mb=memory_budget_mb)
         first_tile = lambda b: b if isinstance(b, int) else 16  # noqa: E731  (auto/dense set at run time)
         stem = SparseConvChain(
             in_channels,

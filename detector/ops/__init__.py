@@ -1,10 +1,11 @@
-"""SBNet sparse-block ops: block geometry, mask reduction, block gather and scatter (NCHW).
+"""SBNet sparse-block ops: block geometry, mask reduction, block gather and scatter (NCHW and channels-last).
 
     bp = calc_block_params(H, W, bsize=(16, 16), ksize=3, stride=1, padding=1)
     idx = reduce_mask(mask, bp, tol=0.5, avgpool=False)      # int32 [K, 3] (n, by, bx), sorted
     blocks = sparse_gather(x, idx, bp)                        # [K, C, bp.bsize_h, bp.bsize_w]
-    y = sparse_scatter(out_blocks, idx, base, bp, add=True)   # like base (differentiable)
-    sparse_scatter_(out_blocks, idx, base, bp, add=True)      # in place into base (inference)
+    y = sparse_scatter(out_blocks, idx, base, bp, add=True)   # like base (differentiable); relu=True: relu(base + tile)
+    sparse_scatter_(out_blocks, idx, base, bp, add=True)      # in place into base (differentiable too)
+    ResidualBlocks(x, idx, bp, inplace)                       # an identity unit's fused gather + residual scatter
 
 Semantics in :mod:`detector.ops.functional` and ``kernels/README.md``; compiled kernels are built on
 first use by :mod:`detector.ops._library`, with the pure-PyTorch :mod:`detector.ops.reference` as
@@ -13,6 +14,7 @@ fallback.
 
 from .blocks import BlockParams, calc_block_params
 from .functional import reduce_mask, sparse_gather, sparse_scatter, sparse_scatter_
+from .residual import ResidualBlocks
 
 __all__ = [
     "BlockParams",
@@ -21,4 +23,5 @@ __all__ = [
     "sparse_gather",
     "sparse_scatter",
     "sparse_scatter_",
+    "ResidualBlocks",
 ]

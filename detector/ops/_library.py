@@ -57,7 +57,12 @@ def _cuda_wanted() -> tuple[bool, str]:
 
 def _register_python_side() -> None:
     """Fake kernels and autograd formulas of the sbnet ops (called once, after the library loaded)."""
+    from .functional import memory_format_of, scatter_backward, tiles_of
+
     lib = torch.ops.sbnet
+
+    def fmt(channels_last: bool) -> torch.memory_format:
+        return torch.channels_last if channels_last else torch.contiguous_format
 
     @torch.library.register_fake("sbnet::reduce_mask")
     def _(mask, bsize, bstride, boffset, bcount, tol, avgpool):
@@ -66,70 +71,112 @@ def _register_python_side() -> None:
 
     @torch.library.register_fake("sbnet::sparse_gather")
     def _(x, indices, bsize, bstride, boffset):
-        return x.new_empty((indices.shape[0], x.shape[1], bsize[0], bsize[1]))
+        out = x.new_empty((indices.shape[0], x.shape[1], bsize[0], bsize[1]))
+        return out.contiguous(memory_format=memory_format_of(x) or torch.contiguous_format)
 
     @torch.library.register_fake("sbnet::sparse_gather_backward")
-    def _(grad_blocks, indices, input_size, bstride, boffset):
-        return grad_blocks.new_empty(input_size)
+    def _(grad_blocks, indices, input_size, bstride, boffset, channels_last=False):
+        return grad_blocks.new_empty(input_size).contiguous(memory_format=fmt(channels_last))
 
-    @torch.library.register_fake("sbnet::sparse_scatter")
-    def _(blocks, indices, base, bstride, boffset, add):
-        return torch.empty_like(base, memory_format=torch.contiguous_format)
-
-    @torch.library.register_fake("sbnet::sparse_scatter_")
-    def _(blocks, indices, base, bstride, boffset, add):
+    @torch.library.register_fake("sbnet::sparse_gather_backward_")
+    def _(grad_blocks, indices, grad_x, bstride, boffset):
         return None
 
-    # gather: its gradient is a scatter-add (overlapping halos add up) into zeros like x.
+    @torch.library.register_fake("sbnet::sparse_scatter")
+    def _(blocks, indices, base, bstride, boffset, add, relu=False):
+        return torch.empty_like(base, memory_format=memory_format_of(base) or torch.contiguous_format)
+
+    @torch.library.register_fake("sbnet::sparse_scatter_")
+    def _(blocks, indices, base, bstride, boffset, add, relu=False):
+        return None
+
+    @torch.library.register_fake("sbnet::sparse_scatter_backward")
+    def _(grad_out, indices, out_tiles, tile, bstride, boffset, add, relu, need_blocks, need_base):
+        f = memory_format_of(grad_out) or torch.contiguous_format
+        blocks = grad_out.new_empty((indices.shape[0], grad_out.shape[1], tile[0], tile[1]))
+        return blocks.contiguous(memory_format=f), torch.empty_like(grad_out, memory_format=f)
+
+    # gather: its gradient is a scatter-add (overlapping halos add up) into zeros like x, in x's layout.
     def gather_setup(ctx, inputs, output):
         x, indices, bsize, bstride, boffset = inputs
         ctx.save_for_backward(indices)
-        ctx.geometry = (list(x.shape), list(bstride), list(boffset))
+        ctx.geometry = (list(x.shape), list(bstride), list(boffset), memory_format_of(x) == torch.channels_last)
 
     def gather_backward(ctx, grad):
         (indices,) = ctx.saved_tensors
-        input_size, bstride, boffset = ctx.geometry
-        return lib.sparse_gather_backward(grad, indices, input_size, bstride, boffset), None, None, None, None
+        input_size, bstride, boffset, channels_last = ctx.geometry
+        g = grad.contiguous(memory_format=fmt(channels_last))
+        gx = lib.sparse_gather_backward(g, indices, input_size, bstride, boffset, channels_last)
+        return gx, None, None, None, None
 
     torch.library.register_autograd("sbnet::sparse_gather", gather_backward, setup_context=gather_setup)
 
     # gather_backward is linear in grad_blocks; its adjoint is the gather (double backward).
     def gather_bw_setup(ctx, inputs, output):
-        grad_blocks, indices, input_size, bstride, boffset = inputs
+        grad_blocks, indices, input_size, bstride, boffset, *_ = inputs
         ctx.save_for_backward(indices)
         ctx.geometry = (list(grad_blocks.shape[2:]), list(bstride), list(boffset))
 
     def gather_bw_backward(ctx, grad):
         (indices,) = ctx.saved_tensors
         bsize, bstride, boffset = ctx.geometry
-        return lib.sparse_gather(grad, indices, bsize, bstride, boffset), None, None, None, None
+        g = grad.contiguous(memory_format=memory_format_of(grad) or torch.contiguous_format)
+        return lib.sparse_gather(g, indices, bsize, bstride, boffset), None, None, None, None, None
 
     torch.library.register_autograd(
         "sbnet::sparse_gather_backward", gather_bw_backward, setup_context=gather_bw_setup
     )
 
-    # scatter: grad wrt blocks = gather of grad_out at the tiles; wrt base = grad_out (tiles zeroed
-    # when the tiles were written rather than added).
+    # scatter: grad wrt blocks = grad_out at the tiles (times relu's on-mask); wrt base = grad_out with the
+    # tiles replaced (0 when written; masked by relu when added). relu's mask comes from the output tiles.
     def scatter_setup(ctx, inputs, output):
-        blocks, indices, base, bstride, boffset, add = inputs
-        ctx.save_for_backward(indices)
-        ctx.geometry = (list(blocks.shape), list(bstride), list(boffset), bool(add))
+        blocks, indices, base, bstride, boffset, add, *rest = inputs
+        relu = bool(rest[0]) if rest else False
+        tile = tuple(blocks.shape[2:])
+        ctx.save_for_backward(indices, tiles_of(output, indices, tile) if relu else None)
+        ctx.args = (tile, bool(add), relu, memory_format_of(output) or torch.contiguous_format)
 
-    def scatter_backward(ctx, grad):
-        (indices,) = ctx.saved_tensors
-        blocks_shape, bstride, boffset, add = ctx.geometry
-        grad_blocks = grad_base = None
-        if ctx.needs_input_grad[0]:
-            grad_blocks = lib.sparse_gather(grad, indices, blocks_shape[2:], bstride, boffset)
-        if ctx.needs_input_grad[2]:
-            if add:
-                grad_base = grad
-            else:
-                zeros = grad.new_zeros(blocks_shape)
-                grad_base = lib.sparse_scatter(zeros, indices, grad, bstride, boffset, False)
-        return grad_blocks, None, grad_base, None, None, None
+    def scatter_backward_formula(ctx, grad):
+        indices, out_tiles = ctx.saved_tensors
+        tile, add, relu, f = ctx.args
+        gb, gbase = scatter_backward(
+            grad, indices, out_tiles, tile, add, relu, ctx.needs_input_grad[0], ctx.needs_input_grad[2], f
+        )
+        return gb, None, gbase, None, None, None, None
 
-    torch.library.register_autograd("sbnet::sparse_scatter", scatter_backward, setup_context=scatter_setup)
+    torch.library.register_autograd(
+        "sbnet::sparse_scatter", scatter_backward_formula, setup_context=scatter_setup
+    )
+
+    # scatter's adjoint is linear in grad_out (relu's on-mask is constant): grad_blocks = on * (grad_out at
+    # the tiles), whose adjoint writes on * gg into zeros at the tiles; grad_base = grad_out with the tiles
+    # masked, a diagonal map and so its own adjoint (double backward).
+    def scatter_bw_setup(ctx, inputs, output):
+        grad_out, indices, out_tiles, tile, bstride, boffset, add, relu, need_blocks, need_base = inputs
+        ctx.save_for_backward(indices, out_tiles)
+        ctx.args = (list(tile), list(bstride), list(boffset), add, relu, need_blocks, need_base, grad_out.shape,
+                    memory_format_of(grad_out) or torch.contiguous_format)
+
+    def scatter_bw_backward(ctx, gg_blocks, gg_base):
+        indices, out_tiles = ctx.saved_tensors
+        tile, bstride, boffset, add, relu, need_blocks, need_base, shape, f = ctx.args
+        out = None
+        if need_blocks and gg_blocks is not None:
+            g = gg_blocks.contiguous(memory_format=f)
+            if relu:
+                g = g * (out_tiles > 0).to(g.dtype)
+            zeros = g.new_zeros(shape).contiguous(memory_format=f)
+            out = lib.sparse_scatter(g, indices, zeros, bstride, boffset, False)
+        if need_base and gg_base is not None:
+            masked = gg_base if add and not relu else lib.sparse_scatter_backward(
+                gg_base.contiguous(memory_format=f), indices, out_tiles, tile, bstride, boffset, add, relu, False, True
+            )[1]
+            out = masked if out is None else out + masked
+        return out, None, None, None, None, None, None, None, None, None
+
+    torch.library.register_autograd(
+        "sbnet::sparse_scatter_backward", scatter_bw_backward, setup_context=scatter_bw_setup
+    )
 
 
 def _stale(library: Path, src: Path) -> bool:

@@ -23,20 +23,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BlockParams", "calc_block_params"]
+__all__ = ["BlockParams", "calc_block_params", "pair"]
 
 
-def _pair(value: int | tuple[int, int] | list[int], name: str) -> tuple[int, int]:
-    """``value`` as a (rows, columns) pair of Python ints; a clear error for anything else."""
+def pair(value: int | tuple[int, int] | list[int], name: str) -> tuple[int, int]:
+    """``value`` as a (rows, columns) pair of Python ints; a clear error naming ``name`` for anything else."""
     if isinstance(value, bool):
-        raise TypeError(f"calc_block_params: {name} must be an int or a pair of ints, got {value!r}")
+        raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}")
     if isinstance(value, int):
         return (value, value)
     if isinstance(value, (tuple, list)) and len(value) == 2 and all(
         isinstance(v, int) and not isinstance(v, bool) for v in value
     ):
         return (int(value[0]), int(value[1]))
-    raise TypeError(f"calc_block_params: {name} must be an int or a pair of ints, got {value!r}")
+    raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,7 @@ def calc_block_params(
     for arg_name, arg in (("H", H), ("W", W)):
         if isinstance(arg, bool) or not isinstance(arg, int):
             raise TypeError(f"calc_block_params: {arg_name} must be an int, got {arg!r}")
-    bs, ks, st, pd = (_pair(v, n) for v, n in ((bsize, "bsize"), (ksize, "ksize"),
+    bs, ks, st, pd = (pair(v, f"calc_block_params: {n}") for v, n in ((bsize, "bsize"), (ksize, "ksize"),
                                                 (stride, "stride"), (padding, "padding")))
     h = _axis("h", H, bs[0], ks[0], st[0], pd[0])
     w = _axis("w", W, bs[1], ks[1], st[1], pd[1])

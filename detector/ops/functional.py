@@ -1,4 +1,4 @@
-"""Public sparse-block ops (SBNet semantics, NCHW): argument checks, semantics, dispatch.
+"""Public sparse-block ops (SBNet semantics; NCHW and channels-last maps): argument checks, semantics, dispatch.
 
 Geometry comes from a :class:`~detector.ops.blocks.BlockParams` (see :func:`calc_block_params`).
 Each function checks its arguments and raises one clear ``TypeError``/``ValueError`` naming the op and
@@ -15,7 +15,14 @@ differentiable:
 
 Indices are an int32 ``[K, 3]`` tensor of unique rows ``(n, by, bx)`` (what :func:`reduce_mask`
 returns; int64 is accepted and converted). ``K`` may be 0.
-Supported dtypes: float16, bfloat16, float32, float64. Inputs may be non-contiguous.
+Supported dtypes: float16, bfloat16, float32, float64.
+
+Layouts: maps may be NCHW-contiguous or channels-last (NHWC); the kernels read and write both natively
+(a block row of a channels-last map is one contiguous run of ``bw * C`` values). Blocks take their
+map's layout: :func:`sparse_gather` returns channels-last blocks for a channels-last ``x``, and
+:func:`sparse_scatter` converts ``blocks`` to ``base``'s layout if they differ. A map in another stride
+pattern (a slice, a permutation) is copied to NCHW first by the out-of-place ops; the in-place scatter
+raises for it (it could not write into ``base`` itself).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import reference
 from .blocks import BlockParams
 
-__all__ = ["reduce_mask", "sparse_gather", "sparse_scatter", "sparse_scatter_"]
+__all__ = ["reduce_mask", "sparse_gather", "sparse_scatter", "sparse_scatter_", "memory_format_of"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _warned_devices: set[str] = set()
@@ -46,6 +53,21 @@ def _check_tensor(op: str, name: str, t: object, dims: int) -> torch.Tensor:
 def _check_float(op: str, name: str, t: torch.Tensor) -> None:
     if t.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{op}: {name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+
+
+def memory_format_of(x: torch.Tensor) -> torch.memory_format | None:
+    """``torch.channels_last`` for a channels-last map, ``torch.contiguous_format`` for an NCHW-contiguous
+    one (also when it is both, e.g. one channel), None for any other stride pattern."""
+    if x.is_contiguous():
+        return torch.contiguous_format
+    if x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    return None
+
+
+def _native(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself if its layout is one the kernels read, else an NCHW-contiguous copy."""
+    return x if memory_format_of(x) is not None else x.contiguous()
 
 
 def _check_bp(op: str, bp: object) -> BlockParams:
@@ -193,6 +215,7 @@ def sparse_gather(x: torch.Tensor, indices: torch.Tensor, bp: BlockParams) -> to
             f"got {tuple(x.shape)}"
         )
     indices = _check_indices(op, indices, x.shape[0], bp, x.device)
+    x = _native(x)
     if _kernels_for(x.device):
         return torch.ops.sbnet.sparse_gather(x, indices, list(bp.bsize), list(bp.bstride), list(bp.boffset))
     return reference.sparse_gather(x, indices, bp)
@@ -224,49 +247,125 @@ def _check_scatter(
             f"{op}: blocks has {blocks.shape[0]} blocks but indices has {indices.shape[0]} rows"
         )
     indices = _check_indices(op, indices, base.shape[0], bp, base.device)
+    fmt = memory_format_of(base)
+    if fmt is None and op.endswith("_"):
+        raise ValueError(
+            f"{op}: base must be NCHW-contiguous or channels-last to be written in place, got strides {base.stride()}"
+        )
+    base = _native(base)
+    blocks = blocks.contiguous(memory_format=memory_format_of(base))
     return blocks, indices, base, bp
 
 
 def sparse_scatter(
-    blocks: torch.Tensor, indices: torch.Tensor, base: torch.Tensor, bp: BlockParams, add: bool = True
+    blocks: torch.Tensor,
+    indices: torch.Tensor,
+    base: torch.Tensor,
+    bp: BlockParams,
+    add: bool = True,
+    relu: bool = False,
 ) -> torch.Tensor:
-    """A copy of ``base [N, C, out_h, out_w]`` with each block's output tile written or added.
+    """A copy of ``base [N, C, out_h, out_w]`` with each block's output tile combined in.
 
     ``blocks`` is ``[K, C, obsize_h, obsize_w]``; tile rows/columns outside the output map are dropped.
-    Tiles do not overlap (the grid's output tiles partition the output map).
+    Tiles do not overlap (the grid's output tiles partition the output map). ``add`` adds the tile to
+    ``base`` instead of writing it; ``relu`` applies ReLU to the combined value (``relu(x + tile)`` is the
+    post-activation residual shortcut).
 
         out = copy(base)
         for k, (n, by, bx) in enumerate(indices):
             y, x0 = by*obsize_h, bx*obsize_w
-            out[n, :, y : y + obsize_h, x0 : x0 + obsize_w] (+)= blocks[k]   # clipped to the map
+            t = (out[n, :, y : y + obsize_h, x0 : x0 + obsize_w] + blocks[k]) if add else blocks[k]
+            out[n, :, y : y + obsize_h, x0 : x0 + obsize_w] = relu(t) if relu else t   # clipped to the map
 
-    Backward: ``grad_blocks`` = gather of ``grad_out`` at the tiles (zeros outside the map);
-    ``grad_base`` = ``grad_out`` (``add=True``) or ``grad_out`` with the tiles zeroed (``add=False``).
+    Backward (``on`` = the output tile > 0 with ``relu``, else 1): ``grad_blocks`` = ``grad_out`` at the
+    tiles times ``on`` (zeros outside the map); ``grad_base`` = ``grad_out`` with each tile pixel replaced
+    by ``grad_out * on`` (``add``) or 0 (written tiles).
     """
     op = "sparse_scatter"
     blocks, indices, base, bp = _check_scatter(op, blocks, indices, base, bp)
     if _kernels_for(base.device):
-        return torch.ops.sbnet.sparse_scatter(blocks, indices, base, list(bp.obsize), [0, 0], bool(add))
-    return reference.sparse_scatter(blocks, indices, base, bp, bool(add))
+        return torch.ops.sbnet.sparse_scatter(
+            blocks, indices, base, list(bp.obsize), [0, 0], bool(add), bool(relu)
+        )
+    return reference.sparse_scatter(blocks, indices, base, bp, bool(add), bool(relu))
 
 
 def sparse_scatter_(
-    blocks: torch.Tensor, indices: torch.Tensor, base: torch.Tensor, bp: BlockParams, add: bool = True
+    blocks: torch.Tensor,
+    indices: torch.Tensor,
+    base: torch.Tensor,
+    bp: BlockParams,
+    add: bool = True,
+    relu: bool = False,
 ) -> torch.Tensor:
-    """In-place :func:`sparse_scatter` into ``base`` (inference only: no autograd); returns ``base``.
+    """:func:`sparse_scatter` into ``base`` itself; returns ``base`` (modified).
 
-    Raises if autograd would need it (grad mode on and ``blocks`` or ``base`` requires grad): use
-    :func:`sparse_scatter` for training.
+    Differentiable: under autograd the write is recorded as an in-place op on ``base`` (its version
+    counter moves, so a tensor saved for backward that aliases ``base`` fails loudly at backward instead
+    of giving a wrong gradient). ``base`` must not be a leaf that requires grad. Only the tiles are
+    touched: the cost is the blocks', not the map's.
     """
     op = "sparse_scatter_"
     blocks, indices, base, bp = _check_scatter(op, blocks, indices, base, bp)
-    if torch.is_grad_enabled() and (blocks.requires_grad or base.requires_grad):
-        raise RuntimeError(
-            f"{op}: the in-place scatter is for inference; blocks or base requires grad "
-            "(use sparse_scatter, or run under torch.no_grad())"
-        )
+    grad = torch.is_grad_enabled() and (blocks.requires_grad or base.requires_grad)
+    if grad and base.is_leaf and base.requires_grad:
+        raise RuntimeError(f"{op}: base is a leaf that requires grad and cannot be written in place")
     if _kernels_for(base.device):
-        torch.ops.sbnet.sparse_scatter_(blocks, indices, base, list(bp.obsize), [0, 0], bool(add))
+        if grad:
+            return _ScatterInPlace.apply(blocks, indices, base, tuple(bp.obsize), bool(add), bool(relu))
+        torch.ops.sbnet.sparse_scatter_(blocks, indices, base, list(bp.obsize), [0, 0], bool(add), bool(relu))
         return base
+    return reference.sparse_scatter_(blocks, indices, base, bp, bool(add), bool(relu))
+
+
+def tiles_of(out: torch.Tensor, indices: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
+    """The scatter output's values at the tiles, ``[K, C, th, tw]`` (what ``relu``'s backward needs)."""
     with torch.no_grad():
-        return reference.sparse_scatter_(blocks, indices, base, bp, bool(add))
+        return torch.ops.sbnet.sparse_gather(out, indices, list(tile), list(tile), [0, 0])
+
+
+def scatter_backward(
+    grad: torch.Tensor,
+    indices: torch.Tensor,
+    out_tiles: torch.Tensor | None,
+    tile: tuple[int, int],
+    add: bool,
+    relu: bool,
+    need_blocks: bool,
+    need_base: bool,
+    memory_format: torch.memory_format,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of a (copying or in-place) scatter w.r.t. ``blocks`` and ``base`` (None where not
+    needed). With ``add`` and no ``relu`` the base's gradient is ``grad`` itself (no copy)."""
+    g = grad.contiguous(memory_format=memory_format)
+    passthrough = add and not relu
+    gb, gbase = torch.ops.sbnet.sparse_scatter_backward(
+        g, indices, out_tiles, list(tile), list(tile), [0, 0], add, relu, need_blocks,
+        need_base and not passthrough,
+    )
+    if need_base and passthrough:
+        gbase = grad
+    return (gb if need_blocks else None), (gbase if need_base else None)
+
+
+class _ScatterInPlace(torch.autograd.Function):
+    """The in-place scatter under autograd: ``base`` is marked dirty (its history continues through this
+    node); backward is :func:`scatter_backward`."""
+
+    @staticmethod
+    def forward(ctx, blocks, indices, base, tile, add, relu):  # noqa: ANN001, ANN205 - autograd protocol
+        torch.ops.sbnet.sparse_scatter_(blocks, indices, base, list(tile), [0, 0], add, relu)
+        ctx.mark_dirty(base)
+        ctx.save_for_backward(indices, tiles_of(base, indices, tile) if relu else None)
+        ctx.args = (tile, add, relu, memory_format_of(base))
+        return base
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        indices, out_tiles = ctx.saved_tensors
+        tile, add, relu, fmt = ctx.args
+        gb, gbase = scatter_backward(
+            grad, indices, out_tiles, tile, add, relu, ctx.needs_input_grad[0], ctx.needs_input_grad[2], fmt
+        )
+        return gb, None, gbase, None, None, None

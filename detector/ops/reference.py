@@ -4,6 +4,8 @@ Written to read like the pseudo-code in :mod:`detector.ops.functional` (one Pyth
 slices clipped to the map), not to be fast. Differentiable through autograd (the slice copies are
 ordinary in-place ops on fresh tensors). Arguments are assumed checked by the functional layer.
 
+Results keep the memory layout of their map (NCHW or channels-last), as the kernels do.
+
 Conventions shared with the kernels:
 - a block's window is clipped to the map; pixels outside it read as 0 (gather) or are skipped (scatter);
 - ``reduce_mask`` looks only at the in-map part of a block's window: max or mean over those pixels
@@ -57,7 +59,7 @@ def sparse_gather(x: torch.Tensor, indices: torch.Tensor, bp: BlockParams) -> to
         blocks[k] = x[n, :, y : y + bsize_h, x0 : x0 + bsize_w]      # out-of-map pixels = 0
     """
     N, C, H, W = x.shape
-    blocks = x.new_zeros((indices.shape[0], C, bp.bsize_h, bp.bsize_w))
+    blocks = x.new_zeros((indices.shape[0], C, bp.bsize_h, bp.bsize_w)).contiguous(memory_format=_format(x))
     for k, (n, by, bx) in enumerate(indices.tolist()):
         top, left = bp.boffset_h + by * bp.bstride_h, bp.boffset_w + bx * bp.bstride_w
         y0, y1 = _clip(top, bp.bsize_h, H)
@@ -67,40 +69,57 @@ def sparse_gather(x: torch.Tensor, indices: torch.Tensor, bp: BlockParams) -> to
     return blocks
 
 
+def _format(x: torch.Tensor) -> torch.memory_format:
+    """The memory format of a map: channels-last if it is stored so (and not also NCHW-contiguous)."""
+    nhwc = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    return torch.channels_last if nhwc else torch.contiguous_format
+
+
 def _write_tiles(
-    blocks: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, bp: BlockParams, add: bool
+    blocks: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, bp: BlockParams, add: bool, relu: bool
 ) -> None:
-    """Write (or add) each block's output tile into ``out`` in place, clipped to the output map."""
+    """Combine each block's output tile into ``out`` in place, clipped to the output map:
+    ``relu?(out (+ if add) tile)``."""
     _, _, Ho, Wo = out.shape
     for k, (n, by, bx) in enumerate(indices.tolist()):
         top, left = by * bp.obsize_h, bx * bp.obsize_w
         y0, y1 = _clip(top, bp.obsize_h, Ho)
         x0, x1 = _clip(left, bp.obsize_w, Wo)
         tile = blocks[k, :, y0 - top : y1 - top, x0 - left : x1 - left]
-        if add:
-            out[n, :, y0:y1, x0:x1] += tile
-        else:
-            out[n, :, y0:y1, x0:x1] = tile
+        value = out[n, :, y0:y1, x0:x1] + tile if add else tile
+        out[n, :, y0:y1, x0:x1] = torch.relu(value) if relu else value
 
 
 def sparse_scatter(
-    blocks: torch.Tensor, indices: torch.Tensor, base: torch.Tensor, bp: BlockParams, add: bool = True
+    blocks: torch.Tensor,
+    indices: torch.Tensor,
+    base: torch.Tensor,
+    bp: BlockParams,
+    add: bool = True,
+    relu: bool = False,
 ) -> torch.Tensor:
-    """A copy of ``base [N, C, H', W']`` with each block's output tile written (or added).
+    """A copy of ``base [N, C, H', W']`` with each block's output tile combined in.
 
     out = copy(base)
     for k, (n, by, bx) in enumerate(indices):
         y, x0 = by*obsize_h, bx*obsize_w                              # tiles do not overlap
-        out[n, :, y : y + obsize_h, x0 : x0 + obsize_w] (+)= blocks[k]   # clipped to the map
+        t = out[n, :, y : y + obsize_h, x0 : x0 + obsize_w]            # clipped to the map
+        t = (t + blocks[k]) if add else blocks[k]
+        out[n, :, y : y + obsize_h, x0 : x0 + obsize_w] = relu(t) if relu else t
     """
-    out = base.clone()
-    _write_tiles(blocks, indices, out, bp, add)
+    out = base.clone(memory_format=_format(base))
+    _write_tiles(blocks, indices, out, bp, add, relu)
     return out
 
 
 def sparse_scatter_(
-    blocks: torch.Tensor, indices: torch.Tensor, base: torch.Tensor, bp: BlockParams, add: bool = True
+    blocks: torch.Tensor,
+    indices: torch.Tensor,
+    base: torch.Tensor,
+    bp: BlockParams,
+    add: bool = True,
+    relu: bool = False,
 ) -> torch.Tensor:
     """:func:`sparse_scatter` writing into ``base`` itself; returns ``base``."""
-    _write_tiles(blocks, indices, base, bp, add)
+    _write_tiles(blocks, indices, base, bp, add, relu)
     return base

@@ -1,14 +1,19 @@
-// sparse_scatter on the CPU, in one parallel region of (n, c, row band) tasks (cpu/bands.h): a task
-// copies its rows of base into the output (skipped by the in-place variant) and then writes or adds
-// the tiles of its block row into them, so the rows are still in cache for the tiles and base is
-// read once. Tiles do not overlap (bstride >= tile size, unique indices) and each task owns its rows:
-// no races, and the result does not depend on the thread count.
+// sparse_scatter (copy and in place) and its adjoint on the CPU, for NCHW and channels-last maps.
+//
+// Maps are planes of H x W pixels with E contiguous values per pixel (NCHW: N * C planes, E = 1; NHWC:
+// N planes, E = C; see cpu/sparse_gather.cpp), so a tile row is one contiguous run in both layouts.
+// One parallel region of (plane, row band) tasks (cpu/bands.h): a task copies its rows of base into the
+// output (skipped in place) and then combines the tiles of its block row into them, so the rows are
+// still in cache for the tiles and base is read once. Tiles do not overlap (bstride >= tile size, unique
+// indices) and each task owns its rows: no races, and the result does not depend on the thread count.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <cstring>
+#include <tuple>
 
 #include "common.h"
 #include "cpu/bands.h"
@@ -16,47 +21,71 @@
 namespace sbnet {
 namespace {
 
-// out = (base ? copy of base : out) with the tiles written or added. base and out are contiguous
-// [N, C, H, W] (base may be null: in place).
-void scatter_impl(const char* op, const at::Tensor& blocks, const at::Tensor& indices, const at::Tensor* base,
-                  at::Tensor& out, c10::IntArrayRef bstride, c10::IntArrayRef boffset, bool add) {
-  TORCH_CHECK(blocks.dim() == 4 && out.dim() == 4, op,
-              ": blocks [K, C, th, tw] and base [N, C, H, W] must be 4-D, got ", blocks.sizes(), " and ",
-              out.sizes());
-  check_float(op, "blocks", blocks);
-  TORCH_CHECK(blocks.scalar_type() == out.scalar_type(), op, ": blocks (", blocks.scalar_type(),
-              ") and base (", out.scalar_type(), ") must have the same dtype");
-  TORCH_CHECK(blocks.device() == out.device(), op, ": blocks and base must be on the same device");
-  check_indices(op, indices, out);
-  const Grid g = make_grid(op, blocks.sizes().slice(2), bstride, boffset);
-  TORCH_CHECK(g.stride_h >= g.size_h && g.stride_w >= g.size_w, op, ": tiles ", blocks.sizes().slice(2),
-              " would overlap with block stride ", bstride);
-  const int64_t K = indices.size(0), C = out.size(1), N = out.size(0), H = out.size(2), W = out.size(3);
-  TORCH_CHECK(blocks.size(0) == K && blocks.size(1) == C, op, ": blocks ", blocks.sizes(), " do not match ", K,
-              " indices and base's ", C, " channels");
-  if (K == 0 || C == 0) {
-    if (base != nullptr) out.copy_(*base);
+// How a tile value combines with the map value under it.
+enum class Combine { kWrite, kAdd, kWriteRelu, kAddRelu, kZero };
+
+inline Combine combine_of(bool add, bool relu) {
+  return add ? (relu ? Combine::kAddRelu : Combine::kAdd) : (relu ? Combine::kWriteRelu : Combine::kWrite);
+}
+
+template <typename T>
+inline void combine_run(T* d, const T* s, int64_t len, Combine how) {
+  switch (how) {
+    case Combine::kWrite:
+      std::memcpy(d, s, sizeof(T) * len);
+      break;
+    case Combine::kAdd:
+      for (int64_t e = 0; e < len; ++e) d[e] = d[e] + s[e];
+      break;
+    case Combine::kWriteRelu:
+      for (int64_t e = 0; e < len; ++e) d[e] = s[e] < T(0) ? T(0) : s[e];
+      break;
+    case Combine::kAddRelu:
+      for (int64_t e = 0; e < len; ++e) {
+        const T v = d[e] + s[e];
+        d[e] = v < T(0) ? T(0) : v;
+      }
+      break;
+    case Combine::kZero:
+      std::memset(d, 0, sizeof(T) * len);
+      break;
+  }
+}
+
+struct MapArgs {
+  int64_t N, C, H, W;
+  bool nhwc;
+};
+
+// out = (from ? copy of from : out) with each tile combined (`how`). out, from and tiles share a layout.
+// tiles may be null for kZero.
+void scatter_impl(const char* op, const at::Tensor* tiles, const at::Tensor& indices, const at::Tensor* from,
+                  at::Tensor& out, const Grid& g, const MapArgs& m, Combine how) {
+  const int64_t K = indices.size(0);
+  if (K == 0 || m.C == 0) {
+    if (from != nullptr) out.copy_(*from);
     return;
   }
-  const at::Tensor bc = blocks.contiguous();
   const at::Tensor idx = indices.contiguous();
   const int32_t* ip = idx.const_data_ptr<int32_t>();
-  check_batch_range_cpu(op, ip, K, N);
-  const RowBands bands(g, H, N, ip, K, 0);  // a tile lies within its own block row's band
-  const int64_t th = g.size_h, tw = g.size_w, J = bands.count;
+  check_batch_range_cpu(op, ip, K, m.N);
+  const RowBands bands(g, m.H, m.N, ip, K, 0);  // a tile lies within its own block row's band
+  const int64_t th = g.size_h, tw = g.size_w, J = bands.count, H = m.H, W = m.W;
+  const int64_t per_item = m.nhwc ? 1 : m.C, E = m.nhwc ? m.C : 1;
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, bc.scalar_type(), "sbnet_scatter_cpu", [&] {
-    const scalar_t* src = bc.const_data_ptr<scalar_t>();
-    const scalar_t* from = base != nullptr ? base->const_data_ptr<scalar_t>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "sbnet_scatter_cpu", [&] {
+    const scalar_t* src = tiles != nullptr ? tiles->const_data_ptr<scalar_t>() : nullptr;
+    const scalar_t* base = from != nullptr ? from->const_data_ptr<scalar_t>() : nullptr;
     scalar_t* dst = out.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, N * C * J, std::max<int64_t>(1, 16384 / (g.stride_h * W)), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, m.N * per_item * J, std::max<int64_t>(1, 16384 / (g.stride_h * W * E)),
+                     [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        const int64_t n = t / (C * J), c = (t / J) % C, jj = t % J, by = bands.first + jj;
+        const int64_t q = t / J, jj = t % J, by = bands.first + jj, n = q / per_item, p = q % per_item;
         int64_t r0, r1;
         bands.rows(g, H, jj, r0, r1);
-        scalar_t* plane = dst + (n * C + c) * H * W;
-        if (from != nullptr) {
-          std::memcpy(plane + r0 * W, from + (n * C + c) * H * W + r0 * W, sizeof(scalar_t) * (r1 - r0) * W);
+        scalar_t* plane = dst + q * H * W * E;
+        if (base != nullptr) {
+          std::memcpy(plane + r0 * W * E, base + q * H * W * E + r0 * W * E, sizeof(scalar_t) * (r1 - r0) * W * E);
         }
         int64_t lo, hi;
         bands.range(n, by, lo, hi);
@@ -67,15 +96,10 @@ void scatter_impl(const char* op, const at::Tensor& blocks, const at::Tensor& in
           clip(top, th, H, y0, y1);
           clip(left, tw, W, x0, x1);
           if (y0 >= y1 || x0 >= x1) continue;
-          const scalar_t* tile = src + (k * C + c) * th * tw;
+          const scalar_t* tile = src != nullptr ? src + (k * per_item + p) * th * tw * E : nullptr;
           for (int64_t y = y0; y < y1; ++y) {
-            const scalar_t* s = tile + (y - top) * tw + (x0 - left);
-            scalar_t* d = plane + y * W + x0;
-            if (add) {
-              for (int64_t x = 0; x < x1 - x0; ++x) d[x] = d[x] + s[x];
-            } else {
-              std::memcpy(d, s, sizeof(scalar_t) * (x1 - x0));
-            }
+            const scalar_t* s = tile != nullptr ? tile + ((y - top) * tw + (x0 - left)) * E : nullptr;
+            combine_run(plane + (y * W + x0) * E, s, (x1 - x0) * E, how);
           }
         }
       }
@@ -83,25 +107,100 @@ void scatter_impl(const char* op, const at::Tensor& blocks, const at::Tensor& in
   });
 }
 
+// Common checks of the scatter ops; returns the map's layout arguments.
+MapArgs check_scatter(const char* op, const at::Tensor& blocks, const at::Tensor& indices, const at::Tensor& base,
+                      const Grid& g) {
+  TORCH_CHECK(blocks.dim() == 4 && base.dim() == 4, op,
+              ": blocks [K, C, th, tw] and base [N, C, H, W] must be 4-D, got ", blocks.sizes(), " and ",
+              base.sizes());
+  check_float(op, "blocks", blocks);
+  TORCH_CHECK(blocks.scalar_type() == base.scalar_type(), op, ": blocks (", blocks.scalar_type(), ") and base (",
+              base.scalar_type(), ") must have the same dtype");
+  TORCH_CHECK(blocks.device() == base.device(), op, ": blocks and base must be on the same device");
+  check_indices(op, indices, base);
+  TORCH_CHECK(g.stride_h >= g.size_h && g.stride_w >= g.size_w, op, ": tiles ", blocks.sizes().slice(2),
+              " would overlap with block stride (", g.stride_h, ", ", g.stride_w, ")");
+  const int64_t K = indices.size(0), C = base.size(1);
+  TORCH_CHECK(blocks.size(0) == K && blocks.size(1) == C, op, ": blocks ", blocks.sizes(), " do not match ", K,
+              " indices and base's ", C, " channels");
+  const bool nhwc = is_nhwc(op, "base", base);
+  check_layout(op, "blocks", blocks, nhwc);
+  return MapArgs{base.size(0), C, base.size(2), base.size(3), nhwc};
+}
+
 at::Tensor sparse_scatter_cpu(const at::Tensor& blocks, const at::Tensor& indices, const at::Tensor& base,
-                              c10::IntArrayRef bstride, c10::IntArrayRef boffset, bool add) {
-  TORCH_CHECK(base.dim() == 4, "sbnet::sparse_scatter: base must be [N, C, H, W], got ", base.sizes());
-  const at::Tensor b = base.contiguous();
-  at::Tensor out = at::empty(b.sizes(), b.options());  // filled band by band from base: one copy
-  scatter_impl("sbnet::sparse_scatter", blocks, indices, &b, out, bstride, boffset, add);
+                              c10::IntArrayRef bstride, c10::IntArrayRef boffset, bool add, bool relu) {
+  const char* op = "sbnet::sparse_scatter";
+  TORCH_CHECK(blocks.dim() == 4, op, ": blocks must be [K, C, th, tw], got ", blocks.sizes());
+  const Grid g = make_grid(op, blocks.sizes().slice(2), bstride, boffset);
+  const MapArgs m = check_scatter(op, blocks, indices, base, g);
+  at::Tensor out = at::empty(base.sizes(), base.options().memory_format(format_of(m.nhwc)));  // filled from base
+  scatter_impl(op, &blocks, indices, &base, out, g, m, combine_of(add, relu));
   return out;
 }
 
 void sparse_scatter_inplace_cpu(const at::Tensor& blocks, const at::Tensor& indices, at::Tensor& base,
-                                c10::IntArrayRef bstride, c10::IntArrayRef boffset, bool add) {
-  TORCH_CHECK(base.dim() == 4, "sbnet::sparse_scatter_: base must be [N, C, H, W], got ", base.sizes());
-  if (base.is_contiguous()) {
-    scatter_impl("sbnet::sparse_scatter_", blocks, indices, nullptr, base, bstride, boffset, add);
-  } else {
-    at::Tensor tmp = base.contiguous();
-    scatter_impl("sbnet::sparse_scatter_", blocks, indices, nullptr, tmp, bstride, boffset, add);
-    base.copy_(tmp);
+                                c10::IntArrayRef bstride, c10::IntArrayRef boffset, bool add, bool relu) {
+  const char* op = "sbnet::sparse_scatter_";
+  TORCH_CHECK(blocks.dim() == 4, op, ": blocks must be [K, C, th, tw], got ", blocks.sizes());
+  const Grid g = make_grid(op, blocks.sizes().slice(2), bstride, boffset);
+  const MapArgs m = check_scatter(op, blocks, indices, base, g);
+  scatter_impl(op, &blocks, indices, nullptr, base, g, m, combine_of(add, relu));
+}
+
+std::tuple<at::Tensor, at::Tensor> sparse_scatter_backward_cpu(const at::Tensor& grad_out, const at::Tensor& indices,
+                                                               const c10::optional<at::Tensor>& out_tiles,
+                                                               c10::IntArrayRef tile, c10::IntArrayRef bstride,
+                                                               c10::IntArrayRef boffset, bool add, bool relu,
+                                                               bool need_blocks, bool need_base) {
+  const char* op = "sbnet::sparse_scatter_backward";
+  const Grid g = make_grid(op, tile, bstride, boffset);
+  TORCH_CHECK(grad_out.dim() == 4, op, ": grad_out must be [N, C, H, W], got ", grad_out.sizes());
+  check_float(op, "grad_out", grad_out);
+  check_indices(op, indices, grad_out);
+  TORCH_CHECK(g.stride_h >= g.size_h && g.stride_w >= g.size_w, op, ": tiles ", tile,
+              " would overlap with block stride ", bstride);
+  const bool nhwc = is_nhwc(op, "grad_out", grad_out);
+  const int64_t K = indices.size(0), C = grad_out.size(1);
+  const MapArgs m{grad_out.size(0), C, grad_out.size(2), grad_out.size(3), nhwc};
+  const at::MemoryFormat fmt = format_of(nhwc);
+  at::Tensor on;  // relu: 1 where the scatter's output tile is > 0, as grad_out's dtype
+  if (relu) {
+    TORCH_CHECK(out_tiles.has_value() && out_tiles->defined(), op, ": relu needs out_tiles");
+    const at::Tensor& ot = *out_tiles;
+    TORCH_CHECK(ot.dim() == 4 && ot.size(0) == K && ot.size(1) == C && ot.size(2) == g.size_h &&
+                    ot.size(3) == g.size_w && ot.scalar_type() == grad_out.scalar_type() &&
+                    ot.device() == grad_out.device(),
+                op, ": out_tiles must be [", K, ", ", C, ", ", g.size_h, ", ", g.size_w, "] like grad_out, got ",
+                ot.sizes(), " ", ot.scalar_type());
+    check_layout(op, "out_tiles", ot, nhwc);
+    on = ot.gt(0).to(grad_out.scalar_type());
   }
+  at::Tensor grad_blocks, grad_base;
+  // grad_blocks: gather of grad_out at the tiles (0 outside the map), times `on`
+  at::Tensor gathered;
+  if (need_blocks || (need_base && add && relu)) {
+    gathered = at::empty({K, C, g.size_h, g.size_w}, grad_out.options().memory_format(fmt));
+    if (K > 0 && C > 0) {
+      static auto gather = c10::Dispatcher::singleton().findSchemaOrThrow("sbnet::sparse_gather", "")
+                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, c10::IntArrayRef,
+                                                 c10::IntArrayRef, c10::IntArrayRef)>();
+      gathered = gather.call(grad_out, indices, tile, bstride, boffset);
+    }
+    if (relu) gathered.mul_(on);
+    if (need_blocks) grad_blocks = gathered;
+  }
+  if (need_base) {
+    grad_base = at::empty(grad_out.sizes(), grad_out.options().memory_format(fmt));
+    if (!add) {
+      scatter_impl(op, nullptr, indices, &grad_out, grad_base, g, m, Combine::kZero);
+    } else if (relu) {
+      scatter_impl(op, &gathered, indices, &grad_out, grad_base, g, m, Combine::kWrite);
+    } else {
+      grad_base.copy_(grad_out);
+    }
+  }
+  return {grad_blocks, grad_base};
 }
 
 }  // namespace
@@ -110,4 +209,5 @@ void sparse_scatter_inplace_cpu(const at::Tensor& blocks, const at::Tensor& indi
 TORCH_LIBRARY_IMPL(sbnet, CPU, m) {
   m.impl("sparse_scatter", &sbnet::sparse_scatter_cpu);
   m.impl("sparse_scatter_", &sbnet::sparse_scatter_inplace_cpu);
+  m.impl("sparse_scatter_backward", &sbnet::sparse_scatter_backward_cpu);
 }

@@ -1,0 +1,189 @@
+"""The sbnet ops on channels-last maps, the fused relu scatter, the in-place scatter under autograd and the
+residual pair (detector.ops.ResidualBlocks): values against the reference, gradients by gradcheck in
+float64, determinism, and the raw ops' layout errors."""
+
+import pytest
+import torch
+
+import detector.ops as ops
+from detector.ops import ResidualBlocks, _library, calc_block_params, reference
+
+CL = torch.channels_last
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+GEOMETRIES = [  # H, W, bsize, ksize, stride, padding
+    (13, 11, (6, 5), 3, 1, 1),
+    (7, 9, 16, 3, 1, 1),
+    (20, 14, (7, 5), 3, 2, 1),
+    (17, 19, 8, 6, 1, 3),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    if not _library.load():
+        pytest.skip(f"sbnet kernels not available: {_library.unavailable_reason('cpu')}")
+
+
+def _idx(N, bp, frac, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.rand((N, bp.bcount_h, bp.bcount_w), generator=gen) < frac).nonzero().to(torch.int32)
+
+
+def _rand(shape, dtype, seed, fmt=torch.contiguous_format):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen).to(dtype).contiguous(memory_format=fmt)
+
+
+def _is_cl(t):
+    return t.is_contiguous(memory_format=CL) and not t.is_contiguous()
+
+
+@pytest.mark.parametrize("geom", GEOMETRIES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_channels_last_ops_match_reference_and_keep_the_layout(geom, dtype):
+    H, W, bsize, ksize, stride, padding = geom
+    bp = calc_block_params(H, W, bsize, ksize, stride, padding)
+    seed = GEOMETRIES.index(geom)
+    N, C = 2, 6
+    x = _rand((N, C, H, W), dtype, seed, CL)
+    idx = _idx(N, bp, 0.6, seed)
+    blocks = ops.sparse_gather(x, idx, bp)
+    assert _is_cl(blocks) or idx.shape[0] == 0
+    assert torch.equal(blocks, reference.sparse_gather(x.contiguous(), idx, bp))
+    tiles = _rand((idx.shape[0], C, bp.obsize_h, bp.obsize_w), dtype, seed + 1, CL)
+    base = _rand((N, C, bp.out_h, bp.out_w), dtype, seed + 2, CL)
+    for add in (True, False):
+        for relu in (False, True):
+            expected = reference.sparse_scatter(tiles, idx, base.contiguous(), bp, add, relu)
+            out = ops.sparse_scatter(tiles, idx, base, bp, add, relu)
+            assert _is_cl(out) and torch.equal(out, expected)
+            # NCHW tiles into a channels-last base: converted, same values
+            assert torch.equal(ops.sparse_scatter(tiles.contiguous(), idx, base, bp, add, relu), expected)
+            inplace = base.clone()
+            assert ops.sparse_scatter_(tiles, idx, inplace, bp, add, relu) is inplace
+            assert _is_cl(inplace) and torch.equal(inplace, expected)
+
+
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, CL])
+def test_relu_scatter_rule(fmt):
+    """relu(base + tile) on the tiles (relu(tile) when written), base elsewhere, NaN kept as torch does."""
+    bp = calc_block_params(8, 8, bsize=6, ksize=3)  # 4 x 4 tiles
+    idx = torch.tensor([[0, 0, 1], [0, 1, 0]], dtype=torch.int32)
+    base = torch.full((1, 2, 8, 8), 1.0).contiguous(memory_format=fmt)
+    tiles = torch.full((2, 2, 4, 4), -3.0)
+    tiles[0, :, 0, 0] = float("nan")
+    tiles[1, :, 1, 1] = 0.5
+    out = ops.sparse_scatter(tiles, idx, base, bp, add=True, relu=True)
+    assert torch.isnan(out[0, :, 0, 4]).all()
+    assert (out[0, :, 5, 1] == 1.5).all()
+    assert out[0, :, 0, 5].eq(0).all() and out[0, :, 4:8, 0].eq(0).all() and out[0, :, 4, 2].eq(0).all()
+    assert out[0, :, :4, :4].eq(1).all() and out[0, :, 4:, 4:].eq(1).all()  # inactive tiles keep base
+    written = ops.sparse_scatter(tiles, idx, base, bp, add=False, relu=True)
+    assert (written[0, :, 5, 1] == 0.5).all() and written[0, :, 4, 0].eq(0).all()
+
+
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, CL])
+@pytest.mark.parametrize("relu", [False, True])
+def test_gradcheck_channels_last_and_inplace(fmt, relu):
+    bp = calc_block_params(9, 8, bsize=(5, 4), ksize=3, stride=1, padding=1)
+    idx = _idx(2, bp, 0.6, 4)
+    x = _rand((2, 3, 9, 8), torch.float64, 5, fmt).requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: ops.sparse_gather(t, idx, bp), (x,))
+    tiles = _rand((idx.shape[0], 3, bp.obsize_h, bp.obsize_w), torch.float64, 6, fmt)
+    tiles = (tiles + 0.05 * tiles.sign()).requires_grad_()  # keep x + tile away from relu's kink
+    base = _rand((2, 3, bp.out_h, bp.out_w), torch.float64, 7, fmt).requires_grad_()
+    for add in (True, False):
+        def copy(b, s, add=add):
+            return ops.sparse_scatter(b, idx, s, bp, add, relu)
+
+        def inplace(b, s, add=add):
+            return ops.sparse_scatter_(b, idx, s * 1.0, bp, add, relu)  # s * 1.0: a non-leaf to write into
+
+        for fn in (copy, inplace):
+            assert torch.autograd.gradcheck(fn, (tiles, base))
+            assert torch.autograd.gradgradcheck(fn, (tiles, base), fast_mode=True)
+
+
+def _unit(x, idx, bp, w, inplace, relu):
+    """A stand-in identity unit: gather, a VALID conv on the blocks, residual scatter (fused pair)."""
+    pair = ResidualBlocks(x, idx, bp, inplace=inplace)
+    return pair.scatter(torch.nn.functional.conv2d(pair.gather(), w), relu=relu)
+
+
+def _unit_reference(x, idx, bp, w, relu):
+    tiles = torch.nn.functional.conv2d(reference.sparse_gather(x, idx, bp), w)
+    return reference.sparse_scatter(tiles, idx, x, bp, add=True, relu=relu)
+
+
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, CL])
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("relu", [False, True])
+def test_residual_pair_values_and_gradients(fmt, inplace, relu):
+    bp = calc_block_params(11, 10, bsize=6, ksize=3, stride=1, padding=1)
+    idx = _idx(2, bp, 0.6, 8)
+    w = _rand((3, 3, 3, 3), torch.float64, 9).requires_grad_()
+    x0 = _rand((2, 3, 11, 10), torch.float64, 10, fmt).requires_grad_()
+    expected = _unit_reference(x0, idx, bp, w, relu)
+    x = x0 * 1.0  # an intermediate the unit owns
+    out = _unit(x, idx, bp, w, inplace, relu)
+    assert (out is x) == inplace and out.is_contiguous(memory_format=fmt)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    g = _rand(tuple(out.shape), torch.float64, 11)
+    got = torch.autograd.grad(out, (x0, w), g)
+    ref = torch.autograd.grad(expected, (x0, w), g)
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda t, ww: _unit(t * 1.0, idx, bp, ww, inplace, relu), (x0, w))
+
+
+def test_inplace_scatter_is_caught_when_its_base_was_saved():
+    """Autograd's version counter: writing into a map someone saved for backward fails loudly."""
+    bp = calc_block_params(8, 8, bsize=6, ksize=3)
+    idx = torch.tensor([[0, 0, 0]], dtype=torch.int32)
+    x = torch.randn(1, 2, 8, 8, requires_grad=True)
+    y = x * 1.0
+    z = y * y  # saves y
+    ops.sparse_scatter_(torch.randn(1, 2, 4, 4), idx, y, bp)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()
+
+
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, CL])
+def test_residual_pair_deterministic_across_threads(fmt):
+    bp = calc_block_params(40, 36, bsize=10, ksize=5, stride=1, padding=2)
+    idx = _idx(2, bp, 0.7, 12)
+    w = _rand((16, 16, 5, 5), torch.float32, 13)
+    x0 = _rand((2, 16, 40, 36), torch.float32, 14, fmt)
+    g = _rand((2, 16, 40, 36), torch.float32, 15)
+    threads = torch.get_num_threads()
+
+    def run(n):
+        torch.set_num_threads(n)
+        x = x0.clone().requires_grad_()
+        out = _unit(x * 1.0, idx, bp, w, True, True)
+        (out * g).sum().backward()
+        return out.detach(), x.grad
+
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        first = run(threads)
+        for again in (run(threads), run(1), run(max(2, threads))):
+            assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    finally:
+        torch.use_deterministic_algorithms(was)
+        torch.set_num_threads(threads)
+
+
+def test_raw_ops_reject_other_stride_patterns():
+    bp = calc_block_params(12, 10, bsize=6, ksize=3)
+    idx = torch.tensor([[0, 0, 0]], dtype=torch.int32)
+    sliced = torch.randn(1, 6, 12, 20)[:, ::2, :, ::2]
+    lib = torch.ops.sbnet
+    with pytest.raises(RuntimeError, match="sbnet::sparse_gather: x must be contiguous in NCHW or channels-last"):
+        lib.sparse_gather(sliced, idx, list(bp.bsize), list(bp.bstride), list(bp.boffset))
+    base = torch.randn(1, 3, 12, 10).contiguous(memory_format=CL)
+    with pytest.raises(RuntimeError, match="sbnet::sparse_scatter: blocks must be channels-last like its map"):
+        lib.sparse_scatter(torch.randn(1, 3, 4, 4), idx, base, [4, 4], [0, 0], True, False)
+    # the public function copies other patterns (out of place) and gives the reference's values
+    assert torch.equal(ops.sparse_gather(sliced, idx, bp), reference.sparse_gather(sliced.contiguous(), idx, bp))
