@@ -9,8 +9,8 @@ from typing import Any
 
 def parse_args(argv: Sequence[str] | None, defaults: dict[str, Any], usage: str) -> dict[str, Any]:
     """Parse ``key=value`` pairs into a copy of ``defaults``, converting each value to the type of its
-    default (bool accepts true/false/1/0). A default of None takes the string. Unknown keys, a missing
-    '=', or a bad value print the usage and exit with status 2."""
+    default (bool accepts true/false/1/0). A default of None takes the string. ``-h``/``--help`` prints
+    ``usage``; an unknown key, a missing '=' or a bad value exits with status 1 and one line naming it."""
     argv = sys.argv[1:] if argv is None else list(argv)
     out = dict(defaults)
     for arg in argv:
@@ -20,7 +20,7 @@ def parse_args(argv: Sequence[str] | None, defaults: dict[str, Any], usage: str)
         key, sep, value = arg.partition("=")
         if not sep or key not in defaults:
             known = ", ".join(defaults)
-            raise SystemExit(f"error: unexpected argument {arg!r} (expected key=value with key in: {known})\n{usage}")
+            raise SystemExit(f"error: unexpected argument {arg!r} (expected key=value, key one of: {known})")
         default = defaults[key]
         try:
             if isinstance(default, bool):
@@ -32,5 +32,5 @@ def parse_args(argv: Sequence[str] | None, defaults: dict[str, Any], usage: str)
             else:
                 out[key] = type(default)(value)
         except ValueError:
-            raise SystemExit(f"error: {key}={value!r}: expected {type(default).__name__}\n{usage}") from None
+            raise SystemExit(f"error: {key}={value!r}: expected {type(default).__name__} (see --help)") from None
     return out

@@ -133,6 +133,8 @@ def main(argv=None) -> int:
                              "reps": 3, "masks": "none,road_map,predicted,ground", "block_size": "16",
                              "mask_train_steps": 150, "root": "data/sim_kitti",
                              "out": "benchmarks/model_cpu.json"}, USAGE)
+    if not (Path(args["root"]) / "ImageSets" / "val.txt").is_file():
+        raise SystemExit(f"error: root={args['root']}: no KITTI-format dataset there; run `make data` first")
     if args["quick"]:
         args.update(bev="small", arch="default", batches="1", frames=4, reps=1, mask_train_steps=30)
     batches = [int(b) for b in args["batches"].split(",")]

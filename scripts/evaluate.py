@@ -1,26 +1,8 @@
-"""Evaluate a checkpoint on a KITTI-format root: ``python scripts/evaluate.py ckpt_path=PATH [data.root=DIR]``.
+"""Evaluate a checkpoint on a KITTI-format root:
+the same command as ``detector-evaluate`` (:mod:`detector.commands.evaluate`), Hydra overrides as
+arguments (see the README)."""
 
-Prints the KITTI table, writes metrics.json and KITTI result files in the run's output directory.
-"""
-
-from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-import hydra
-from omegaconf import DictConfig
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from detector.errors import run_cleanly  # noqa: E402
-
-
-@hydra.main(config_path="../configs", config_name="eval", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    from detector.tasks import evaluate
-
-    run_cleanly(evaluate, cfg)
-
+from detector.commands.evaluate import main
 
 if __name__ == "__main__":
     main()

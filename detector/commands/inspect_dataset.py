@@ -1,6 +1,7 @@
 """Validate every file of a KITTI-format root and print a summary.
 
-    python scripts/inspect_dataset.py root=DIR [split_dir=training] [max_frames=0]
+    detector-inspect-dataset root=DIR [split_dir=training] [max_frames=0]
+    (or: python scripts/inspect_dataset.py ...)
 
 Exits with status 1, naming each bad file, when any file is invalid.
 """
@@ -82,7 +83,7 @@ def inspect(root: str, split_dir: str = "training", max_frames: int = 0) -> tupl
 def main(argv=None) -> int:
     args = parse_args(argv, {"root": None, "split_dir": "training", "max_frames": 0}, USAGE)
     if args["root"] is None:
-        raise SystemExit(f"error: root=DIR is required\n{USAGE}")
+        raise SystemExit("error: root=DIR is required (see --help)")
     try:
         summary, errors = inspect(args["root"], args["split_dir"], args["max_frames"])
     except KittiFormatError as e:

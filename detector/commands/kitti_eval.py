@@ -1,8 +1,9 @@
 """Evaluate KITTI result files against KITTI label files: AP (R40 and R11) for 2D / BEV / 3D and AOS,
 easy / moderate / hard, and AP by distance.
 
-    python scripts/kitti_eval.py gt=LABEL_DIR results=RESULT_DIR [split=FILE] [out=PATH]
-                                 [classes=Car,Pedestrian,Cyclist] [distance=true]
+    detector-kitti-eval gt=LABEL_DIR results=RESULT_DIR [split=FILE] [out=PATH]
+                        [classes=Car,Pedestrian,Cyclist] [distance=true]
+    (or: python scripts/kitti_eval.py ...)
 
 LABEL_DIR holds label files ({id}.txt, 15 fields per line); RESULT_DIR result files (the same plus a
 16th field, the score). split: an ImageSets file of the frame ids to evaluate (default: every label
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for key in ("gt", "results"):
         if args[key] is None:
-            print(f"error: {key}= is required\n{USAGE}", file=sys.stderr)
+            print(f"error: {key}= is required (see --help)", file=sys.stderr)
             return 2
     classes = tuple(c.strip() for c in args["classes"].split(",") if c.strip())
     unknown = [c for c in classes if c not in CLASSES]

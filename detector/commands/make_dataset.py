@@ -1,6 +1,7 @@
 """Generate a KITTI-format dataset with the LiDAR simulator (detector.sim).
 
-    python scripts/make_dataset.py out=DIR [frames=300] [seed=0] [workers=0] [columns=2083]
+    detector-make-dataset out=DIR [frames=300] [seed=0] [workers=0] [columns=2083]
+    (or: python scripts/make_dataset.py ...)
 
 out      dataset root to write (created; an existing non-empty folder must be an earlier simulator output)
 frames   number of frames (ids 000000 …); every 5th frame goes to ImageSets/val.txt, the rest to train.txt
@@ -31,10 +32,10 @@ DEFAULTS = {
 def main(argv=None) -> int:
     args = parse_args(argv, DEFAULTS, USAGE)
     if args["out"] is None:
-        raise SystemExit(f"error: out=DIR is required\n{USAGE}")
+        raise SystemExit("error: out=DIR is required (see --help)")
     for key, lo in (("frames", 1), ("seed", 0), ("workers", 0), ("columns", 8)):
         if args[key] < lo:
-            raise SystemExit(f"error: {key}={args[key]}: must be >= {lo}\n{USAGE}")
+            raise SystemExit(f"error: {key}={args[key]}: must be >= {lo}")
     try:
         summary = generate_dataset(
             args["out"],

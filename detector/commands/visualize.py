@@ -1,7 +1,8 @@
 """Render a frame's points, ground-truth boxes (green) and predicted boxes (red).
 
-    python scripts/visualize.py root=DIR frame=000010 [ckpt_path=PATH] [out=frame.png] [mode=auto|3d|bev]
-                                [score_threshold=0.3]
+    detector-visualize root=DIR frame=000010 [ckpt_path=PATH] [out=frame.png] [mode=auto|3d|bev]
+                       [score_threshold=0.3]
+    (or: python scripts/visualize.py ...)
 
 mode=3d renders with open3d's legacy Visualizer offscreen (works without a display on our machines);
 mode=bev draws the bird's-eye-view image (the one TensorBoard shows); mode=auto tries 3d, then bev.
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
     args = parse_args(argv, {"root": None, "frame": "000000", "split_dir": "training", "ckpt_path": None,
                              "out": None, "mode": "auto", "score_threshold": 0.3}, USAGE)
     if args["root"] is None:
-        raise SystemExit(f"error: root=DIR is required\n{USAGE}")
+        raise SystemExit("error: root=DIR is required (see --help)")
     if args["mode"] not in ("auto", "3d", "bev"):
         raise SystemExit(f"error: mode must be auto, 3d or bev, got {args['mode']!r}")
     try:

@@ -33,8 +33,11 @@ _cuda_reason = ""
 
 
 def kernels_dir() -> Path:
-    """The ``kernels/`` source folder at the repository root."""
-    return Path(__file__).resolve().parents[2] / "kernels"
+    """The kernel sources: the repository's ``kernels/`` in a source checkout, else the copy an installed
+    wheel holds as ``detector/_kernels`` (:func:`detector.resources.project_dir`)."""
+    from detector.resources import project_dir
+
+    return project_dir("kernels")
 
 
 def build_dir(with_cuda: bool) -> Path:
