@@ -23,6 +23,7 @@ from detector.data.voxelize import BevGrid
 from detector.errors import ConfigError, root_cause
 from detector.models.detector import BevDetector
 from detector.module import DetectorModule, detections_to_labels, in_range_gt
+from detector.resources import config_dir
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +195,7 @@ def load_detector(ckpt_path: str | Path, mask_override: str | None = None) -> tu
     if mask_override is not None:
         from hydra import compose, initialize_config_dir
 
-        with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "configs"), version_base=None):
+        with initialize_config_dir(str(config_dir()), version_base=None):
             cfg.mask = compose(config_name="train", overrides=[f"mask={mask_override}"]).mask
     grid = build_grid(cfg.bev)
     model = build_model(cfg.model, cfg.mask, grid)
