@@ -1,7 +1,15 @@
-"""CUDA kernels against the CPU kernels and the reference; skip without a CUDA device.
+"""The sbnet ops, sparse layers and detector on a GPU; every op test also runs on the CPU (its twin).
 
-(The compile check of the CUDA sources, which needs no GPU, is tests/test_ops_cuda_compile.py.)
+The `gpu`-marked cases skip without a CUDA device (`pytest -m gpu` selects them; `make gpu-check` runs
+them). Op results are compared with the pure-PyTorch reference on the CPU: values are multiples of 1/4,
+which every dtype holds and adds exactly, so forward and backward must be equal bit for bit in
+float32, float16 and bfloat16 whatever the summation order. The CUDA build itself is compile-checked by
+tests/test_ops_cuda_compile.py, and its element bodies run on the CPU in tests/test_ops_cuda_bodies.py.
 """
+
+from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -9,107 +17,141 @@ import torch
 import detector.ops as ops
 from detector.ops import _library, calc_block_params, reference
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+HAS_CUDA = torch.cuda.is_available()
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
+DEVICES = ["cpu", pytest.param("cuda", marks=GPU)]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+LAYOUTS = ["nchw", "nhwc"]
+# (H, W, bsize, ksize, stride, padding): halo 2, stride 2
+GEOMETRIES = [(13, 11, (6, 5), 3, 1, 1), (20, 14, (7, 5), 3, 2, 1)]
 
 
-@pytest.fixture(scope="module")
-def cuda_kernels():
-    _library.load()
-    if not _library.has_kernels("cuda"):
-        reason = _library.unavailable_reason("cuda")
-        pytest.fail(f"CUDA is available but the sbnet CUDA kernels are not: {reason}")
-    return torch.ops.sbnet
+@pytest.fixture
+def device(request):
+    dev = request.param
+    if dev == "cuda":
+        _library.load()
+        if not _library.has_kernels("cuda"):
+            pytest.fail(f"CUDA is available but the sbnet CUDA kernels are not: {_library.unavailable_reason('cuda')}")
+    return dev
 
 
-GEOMETRIES = [
-    (13, 11, (6, 5), 3, 1, 1),
-    (7, 9, 16, 3, 1, 1),
-    (20, 14, (7, 5), 3, 2, 1),
-    (40, 36, 10, 5, 1, 2),
-    (97, 83, 16, 3, 1, 1),
-]
+def _fmt(layout):
+    return torch.channels_last if layout == "nhwc" else torch.contiguous_format
 
 
-def _idx(N, bp, frac, seed):
+def _values(shape, dtype, seed, layout="nchw"):
     gen = torch.Generator().manual_seed(seed)
-    return (torch.rand((N, bp.bcount_h, bp.bcount_w), generator=gen) < frac).nonzero().to(torch.int32)
+    return (torch.randint(-8, 9, shape, generator=gen).to(dtype) / 4).contiguous(memory_format=_fmt(layout))
 
 
-@pytest.mark.parametrize("geom", GEOMETRIES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("avgpool", [False, True])
-def test_cuda_forward_matches_cpu(cuda_kernels, geom, dtype, avgpool):
-    H, W, bsize, ksize, stride, padding = geom
-    bp = calc_block_params(H, W, bsize, ksize, stride, padding)
-    seed = GEOMETRIES.index(geom)
+def _indices(bp, n, frac, seed):
     gen = torch.Generator().manual_seed(seed)
-    mask = ((torch.rand((3, 1, H, W), generator=gen) ** 4) * 8).floor().div(8).to(dtype)
-    idx_cpu = ops.reduce_mask(mask, bp, 0.25, avgpool)
-    idx = ops.reduce_mask(mask.cuda(), bp, 0.25, avgpool)
-    assert torch.equal(idx.cpu(), idx_cpu)
-    assert torch.equal(idx_cpu, reference.reduce_mask(mask, bp, 0.25, avgpool))
-    if dtype == torch.float64:  # full-precision values: both devices sum in the same order in float64
-        raw = torch.rand((3, 1, H, W), generator=gen, dtype=torch.float64)
-        on_gpu = ops.reduce_mask(raw.cuda(), bp, 0.5, avgpool).cpu()
-        assert torch.equal(on_gpu, ops.reduce_mask(raw, bp, 0.5, avgpool))
-
-    x = torch.randn((3, 5, H, W), generator=gen).to(dtype)
-    x_nc = x.cuda().permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # non-contiguous on the GPU
-    assert torch.equal(ops.sparse_gather(x_nc, idx, bp).cpu(), ops.sparse_gather(x, idx_cpu, bp))
-    blocks = torch.randn((idx.shape[0], 5, bp.obsize_h, bp.obsize_w), generator=gen).to(dtype)
-    base = torch.randn((3, 5, bp.out_h, bp.out_w), generator=gen).to(dtype)
-    for add in (True, False):
-        expected = reference.sparse_scatter(blocks, idx_cpu, base, bp, add)
-        assert torch.equal(ops.sparse_scatter(blocks.cuda(), idx, base.cuda(), bp, add).cpu(), expected)
-        inplace = base.cuda()
-        ops.sparse_scatter_(blocks.cuda(), idx, inplace, bp, add)
-        assert torch.equal(inplace.cpu(), expected)
+    return (torch.rand((n, bp.bcount_h, bp.bcount_w), generator=gen) < frac).nonzero().to(torch.int32)
 
 
-@pytest.mark.parametrize("geom", GEOMETRIES)
-def test_cuda_backward_matches_cpu_bit_for_bit(cuda_kernels, geom):
-    """Both devices add overlapping halos in the same phase order: float32 gradients agree exactly."""
-    H, W, bsize, ksize, stride, padding = geom
-    bp = calc_block_params(H, W, bsize, ksize, stride, padding)
-    idx = _idx(2, bp, 0.7, GEOMETRIES.index(geom))
-    gen = torch.Generator().manual_seed(1)
-    g = torch.randn((idx.shape[0], 4, bp.bsize_h, bp.bsize_w), generator=gen)
-    grads = []
-    for device in ("cpu", "cuda"):
-        x = torch.zeros((2, 4, H, W), device=device, requires_grad=True)
-        (ops.sparse_gather(x, idx.to(device), bp) * g.to(device)).sum().backward()
-        grads.append(x.grad.cpu())
-    assert torch.equal(grads[0], grads[1])
+def _to(t, device, layout):
+    """A copy of t on device in the layout (always a new tensor, also on the CPU)."""
+    return t.to(device, copy=True).contiguous(memory_format=_fmt(layout))
 
 
-def test_cuda_gradcheck_and_determinism(cuda_kernels):
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("geom", GEOMETRIES, ids=["halo2", "stride2"])
+def test_ops_equal_the_reference(device, layout, dtype, geom):
+    bp = calc_block_params(*geom)
+    gen = torch.Generator().manual_seed(0)
+    mask = ((torch.rand((2, 1, bp.in_h, bp.in_w), generator=gen) ** 4) * 8).floor().div(8).to(dtype)
+    for avgpool in (False, True):
+        idx = ops.reduce_mask(mask.to(device), bp, 0.25, avgpool)
+        assert idx.device.type == device
+        assert torch.equal(idx.cpu(), reference.reduce_mask(mask, bp, 0.25, avgpool))
+    idx = _indices(bp, 2, 0.7, 1)
+    x = _values((2, 5, bp.in_h, bp.in_w), dtype, 2)
+    blocks = ops.sparse_gather(_to(x, device, layout), idx.to(device), bp)
+    assert blocks.is_contiguous(memory_format=_fmt(layout))
+    assert torch.equal(blocks.cpu(), reference.sparse_gather(x, idx, bp))
+    tiles = _values((idx.shape[0], 5, *bp.obsize), dtype, 3)
+    base = _values((2, 5, bp.out_h, bp.out_w), dtype, 4)
+    for add in (False, True):
+        for relu in (False, True):
+            expected = reference.sparse_scatter(tiles, idx, base, bp, add, relu)
+            out = ops.sparse_scatter(_to(tiles, device, layout), idx.to(device), _to(base, device, layout), bp,
+                                     add, relu)
+            assert out.is_contiguous(memory_format=_fmt(layout)) and torch.equal(out.cpu(), expected)
+            inplace = _to(base, device, layout)
+            ops.sparse_scatter_(_to(tiles, device, layout), idx.to(device), inplace, bp, add, relu)
+            assert torch.equal(inplace.cpu(), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_backward_equals_the_reference_gradient(device, layout, dtype):
+    bp = calc_block_params(*GEOMETRIES[0])
+    idx = _indices(bp, 2, 0.7, 5)
+    x = _values((2, 4, bp.in_h, bp.in_w), dtype, 6)
+    g = _values((idx.shape[0], 4, *bp.bsize), dtype, 7)
+    x_ref = x.clone().requires_grad_()
+    reference.sparse_gather(x_ref, idx, bp).backward(g)
+    xd = _to(x, device, layout).requires_grad_()
+    ops.sparse_gather(xd, idx.to(device), bp).backward(_to(g, device, layout))
+    assert torch.equal(xd.grad.cpu(), x_ref.grad)
+
+    tiles = _values((idx.shape[0], 4, *bp.obsize), dtype, 8)
+    base = _values((2, 4, bp.out_h, bp.out_w), dtype, 9)
+    go = _values(base.shape, dtype, 10)
+    for add in (False, True):
+        for relu in (False, True):
+            t_ref, b_ref = tiles.clone().requires_grad_(), base.clone().requires_grad_()
+            reference.sparse_scatter(t_ref, idx, b_ref, bp, add, relu).backward(go)
+            for inplace in (False, True):
+                t, b = _to(tiles, device, layout).requires_grad_(), _to(base, device, layout).requires_grad_()
+                if inplace:  # the in-place variant under autograd writes into a non-leaf
+                    out = ops.sparse_scatter_(t, idx.to(device), b * 1, bp, add, relu)
+                else:
+                    out = ops.sparse_scatter(t, idx.to(device), b, bp, add, relu)
+                out.backward(_to(go, device, layout))
+                assert torch.equal(t.grad.cpu(), t_ref.grad), (add, relu, inplace)
+                assert torch.equal(b.grad.cpu(), b_ref.grad), (add, relu, inplace)
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gradcheck_float64(device, layout):
     bp = calc_block_params(9, 8, bsize=(5, 4), ksize=3, stride=1, padding=1)
-    idx = _idx(2, bp, 0.6, 3).cuda()
-    x = torch.randn((2, 2, 9, 8), dtype=torch.float64, device="cuda", requires_grad=True)
-    assert torch.autograd.gradcheck(lambda t: ops.sparse_gather(t, idx, bp), (x,))
-    blocks = torch.randn((idx.shape[0], 2, bp.obsize_h, bp.obsize_w), dtype=torch.float64, device="cuda",
-                         requires_grad=True)
-    base = torch.randn((2, 2, 9, 8), dtype=torch.float64, device="cuda", requires_grad=True)
-    for add in (True, False):
-        def scatter(b, s, add=add):
-            return ops.sparse_scatter(b, idx, s, bp, add)
+    idx = _indices(bp, 2, 0.6, 3).to(device)
+    opts = {"dtype": torch.float64, "device": device}
+    x = torch.randn((2, 2, 9, 8), **opts).contiguous(memory_format=_fmt(layout)).requires_grad_()
+    fast = device == "cpu"  # the CPU kernels' full gradcheck is in the CPU op tests
+    assert torch.autograd.gradcheck(lambda t: ops.sparse_gather(t, idx, bp), (x,), fast_mode=fast)
+    tiles = torch.randn((idx.shape[0], 2, *bp.obsize), **opts).contiguous(memory_format=_fmt(layout))
+    base = torch.randn((2, 2, 9, 8), **opts).contiguous(memory_format=_fmt(layout))
+    for add in (False, True):
+        for relu in (False, True):
+            def scatter(b, s, add=add, relu=relu):
+                return ops.sparse_scatter(b, idx, s, bp, add, relu)
 
-        assert torch.autograd.gradcheck(scatter, (blocks, base))
+            assert torch.autograd.gradcheck(scatter, (tiles.requires_grad_(), base.requires_grad_()), fast_mode=fast)
 
-    big = calc_block_params(200, 176, bsize=16, ksize=5, stride=1, padding=2)
-    mask = (torch.rand((4, 1, 200, 176), device="cuda") > 0.97).float()
-    xb = torch.randn((4, 32, 200, 176), device="cuda")
-    g = torch.randn((4, 32, 200, 176), device="cuda")
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_deterministic_under_use_deterministic_algorithms(device, layout):
+    H, W, C = (200, 176, 32) if device == "cuda" else (50, 44, 8)
+    bp = calc_block_params(H, W, bsize=16, ksize=5, stride=1, padding=2)
+    gen = torch.Generator().manual_seed(11)
+    mask = (torch.rand((2, 1, H, W), generator=gen) > 0.97).float().to(device)
+    x0 = torch.randn((2, C, H, W), generator=gen).to(device).contiguous(memory_format=_fmt(layout))
+    g = torch.randn((2, C, H, W), generator=gen).to(device)
 
     def run():
-        xx = xb.clone().requires_grad_()
-        i = ops.reduce_mask(mask, big, 0.5)
-        out = ops.sparse_scatter(ops.sparse_gather(xx, i, big)[:, :, 2:-2, 2:-2] * 1.5, i, xx, big, add=True)
+        x = x0.clone().requires_grad_()
+        idx = ops.reduce_mask(mask, bp, 0.5)
+        out = ops.sparse_scatter(ops.sparse_gather(x, idx, bp)[:, :, 2:-2, 2:-2] * 1.5, idx, x, bp, True, True)
         (out * g).sum().backward()
-        return i, out.detach(), xx.grad
+        return idx, out.detach(), x.grad
 
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
@@ -117,17 +159,108 @@ def test_cuda_gradcheck_and_determinism(cuda_kernels):
         first, second = run(), run()
     finally:
         torch.use_deterministic_algorithms(was)
+    assert first[0].shape[0] > 0
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
-def test_cuda_k_zero_and_device_mismatch(cuda_kernels):
-    bp = calc_block_params(9, 9, bsize=5, ksize=3)
-    idx = ops.reduce_mask(torch.zeros(2, 1, 9, 9, device="cuda"), bp, 0.5)
-    assert idx.shape == (0, 3) and idx.is_cuda
-    x = torch.randn(2, 3, 9, 9, device="cuda", requires_grad=True)
-    blocks = ops.sparse_gather(x, idx, bp)
-    y = ops.sparse_scatter(blocks[:, :, 1:-1, 1:-1], idx, x, bp)
-    y.sum().backward()
-    assert torch.equal(y, x) and torch.equal(x.grad, torch.ones_like(x))
-    with pytest.raises(ValueError, match="indices are on cpu"):
-        ops.sparse_gather(x, idx.cpu(), bp)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=GPU)], indirect=True)
+def test_cuda_adjoint_equals_the_cpu_kernel_bit_for_bit(device, layout):
+    """Both devices add overlapping halos in the same phase order: float32 gradients agree exactly."""
+    bp = calc_block_params(*GEOMETRIES[0])
+    idx = _indices(bp, 2, 0.8, 12)
+    g = torch.randn((idx.shape[0], 4, *bp.bsize), generator=torch.Generator().manual_seed(13))
+    grads = []
+    for dev in ("cpu", "cuda"):
+        x = torch.zeros((2, 4, bp.in_h, bp.in_w), device=dev).contiguous(memory_format=_fmt(layout))
+        x.requires_grad_()
+        ops.sparse_gather(x, idx.to(dev), bp).backward(_to(g, dev, layout))
+        grads.append(x.grad.cpu())
+    assert torch.equal(grads[0], grads[1])
+
+
+@pytest.fixture
+def exact_cuda():
+    """float64 layers on the GPU with TF32 off, restored afterwards."""
+    was = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = was
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=GPU)], indirect=True)
+def test_sparse_unit_equals_its_dense_twin_on_gpu(device, layout, exact_cuda):
+    from detector.nn.resnet import SparseResidualUnit
+
+    torch.manual_seed(0)
+    T, H, W = 8, 40, 36
+    unit = SparseResidualUnit(16, 16, bottleneck=True, block_size=T).double().to(device).eval()
+    with torch.no_grad():
+        for bn in (m for m in unit.modules() if isinstance(m, torch.nn.BatchNorm2d)):
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 2.0)
+            bn.weight.uniform_(0.5, 1.5)
+    twin = copy.deepcopy(unit)
+    x = torch.randn((2, 16, H, W), dtype=torch.float64, device=device).contiguous(memory_format=_fmt(layout))
+    with torch.no_grad():
+        dense = twin.forward_dense(x.clone())
+        ones = unit(x.clone(), mask=torch.ones((2, 1, H, W), dtype=torch.float64, device=device))
+        torch.testing.assert_close(ones, dense, atol=1e-10, rtol=0)
+        # a mask of whole output tiles: those tiles are active, and there the output is the dense one
+        tiles = torch.rand((2, 1, -(-H // T), -(-W // T)), generator=torch.Generator().manual_seed(1)) < 0.4
+        mask = tiles.double().repeat_interleave(T, 2).repeat_interleave(T, 3)[..., :H, :W].to(device)
+        sparse = unit(x.clone(), mask=mask)
+    on = mask.expand_as(dense) > 0
+    assert 0 < on.double().mean() < 1
+    torch.testing.assert_close(sparse[on], dense[on], atol=1e-10, rtol=0)
+
+
+def _small_detector_and_batch(device):
+    import numpy as np
+
+    from detector.data.structures import Boxes3D, Frame, collate_frames
+    from detector.data.voxelize import BevGrid
+    from detector.models.detector import BevDetector
+    from detector.models.targets import BoxCoder
+    from detector.nn.resnet import SparseResNet
+    from tests.conftest import make_calib
+
+    grid = BevGrid((0.0, 25.6), (-12.8, 12.8), (-2.5, 1.0), 0.2, 0.5)
+    torch.manual_seed(0)
+    backbone = SparseResNet(grid.C, stem_channels=8, stage_units=(1, 1, 1), stage_channels=(8, 12, 16),
+                            stage_strides=(2, 2, 2), bottleneck=False, block_size=8)
+    model = BevDetector(grid, backbone, BoxCoder(["Car"]), neck_channels=8, head_channels=8, out_stride=4)
+    rng = np.random.default_rng(0)
+    boxes = Boxes3D(torch.tensor([[8.0, 2.0, -0.9, 4.0, 1.7, 1.5, 0.4], [18.0, -5.0, -0.8, 3.8, 1.6, 1.45, -2.0]]))
+    frames = []
+    for i in range(2):
+        pts = np.column_stack([rng.uniform(0, 25.6, 3000), rng.uniform(-12.8, 12.8, 3000),
+                               rng.uniform(-2.4, 0.9, 3000), rng.random(3000)]).astype(np.float32)
+        frames.append(Frame(f"{i:06d}", pts, make_calib(), boxes, np.array(["Car", "Car"])))
+    batch = collate_frames(frames)
+    batch.mask = torch.zeros(2, 1, grid.H, grid.W)
+    batch.mask[..., 16:112, :] = 1.0  # a road band
+    return model.to(device), batch.to(device)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=GPU)], indirect=True)
+def test_detector_forward_backward_on_gpu(device, exact_cuda):
+    model, batch = _small_detector_and_batch(device)
+    model.train()
+    out = model(batch)
+    assert out.heatmap.device.type == device and 0 < out.sparsity < 1
+    loss, _ = model.loss(out, batch)
+    loss.backward()
+    assert torch.isfinite(loss)
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert any(g.abs().sum() > 0 for g in grads)
+    model.eval()
+    with torch.no_grad():  # all-ones mask: the sparse detector is its dense twin
+        ones = torch.ones_like(batch.mask)
+        batch.mask = None
+        dense = model(batch)
+        batch.mask = ones
+        sparse = model(batch)
+    torch.testing.assert_close(sparse.heatmap, dense.heatmap, rtol=1e-4, atol=1e-4)
