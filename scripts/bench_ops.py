@@ -10,7 +10,11 @@ For each fraction of randomly chosen active blocks it times, on one BEV-sized fe
 - gather:  kernel  vs  naive "pad the whole tensor, then advanced-index the blocks";
 - scatter: kernel (one copy of base, tiles written)  vs  naive "zero output of the padded grid size,
   index_put the tiles, crop, add to base";
-- backward of gather (kernel's phase-ordered adjoint vs autograd through the naive gather).
+- backward of gather (kernel's phase-ordered adjoint vs autograd through the naive gather);
+- on the same map stored channels-last (NHWC), the kernels against the torch index ops they replace (what
+  the layers ran before the kernels read NHWC: ``index_select`` of the blocks' pixel rows with an
+  ``index_fill`` of the out-of-map ones; the residual scatter ``relu(x + tile)`` as a copy of ``x`` plus
+  ``index_select``/``add``/``relu``/``index_copy``; the adjoint as ``index_add`` into zeros).
 Prints a table (median milliseconds and naive/kernel ratio) and writes it as JSON and markdown.
 Timings on a shared machine are noisy: compare ratios within one run.
 """
@@ -18,6 +22,7 @@ Timings on a shared machine are noisy: compare ratios within one run.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import time
@@ -70,6 +75,72 @@ def naive_scatter(
     return base + full[:, : bp.out_h, : bp.out_w].permute(0, 3, 1, 2)
 
 
+def _pixel_rows(shape, idx: torch.Tensor, start_h, start_w, bh, bw, stride_h, stride_w):
+    """NHWC row of every block pixel (clamped into the map) and the rows outside the map (the baseline's
+    index math)."""
+    _, _, H, W = shape
+    n = idx[:, 0].long()
+    rows = idx[:, 1].long()[:, None] * stride_h + start_h + torch.arange(bh)
+    cols = idx[:, 2].long()[:, None] * stride_w + start_w + torch.arange(bw)
+    vr, vc = (rows >= 0) & (rows < H), (cols >= 0) & (cols < W)
+    flat = ((n[:, None, None] * H + rows.clamp(0, H - 1)[:, :, None]) * W + cols.clamp(0, W - 1)[:, None, :])
+    outside = (~(vr[:, :, None] & vc[:, None, :])).reshape(-1).nonzero().flatten()
+    return flat.reshape(-1), outside
+
+
+def index_gather(x: torch.Tensor, idx: torch.Tensor, bp: BlockParams) -> torch.Tensor:
+    N, C, H, W = x.shape
+    flat, outside = _pixel_rows(x.shape, idx, bp.boffset_h, bp.boffset_w, bp.bsize_h, bp.bsize_w,
+                                bp.bstride_h, bp.bstride_w)
+    rows = x.permute(0, 2, 3, 1).reshape(N * H * W, C).index_select(0, flat).index_fill_(0, outside, 0)
+    return rows.view(-1, bp.bsize_h, bp.bsize_w, C).permute(0, 3, 1, 2)
+
+
+def index_residual_scatter(tiles: torch.Tensor, idx: torch.Tensor, x: torch.Tensor, bp: BlockParams) -> torch.Tensor:
+    N, C, H, W = x.shape
+    flat, outside = _pixel_rows(x.shape, idx, 0, 0, bp.obsize_h, bp.obsize_w, bp.obsize_h, bp.obsize_w)
+    keep = torch.ones(flat.numel(), dtype=torch.bool).index_fill_(0, outside, False)
+    src = tiles.permute(0, 2, 3, 1).reshape(-1, C)[keep]
+    flat = flat[keep]
+    out = x.permute(0, 2, 3, 1).reshape(N * H * W, C).clone()
+    out.index_copy_(0, flat, out.index_select(0, flat).add_(src).relu_())
+    return out.view(N, H, W, C).permute(0, 3, 1, 2)
+
+
+def index_gather_backward(g: torch.Tensor, idx: torch.Tensor, bp: BlockParams, shape) -> torch.Tensor:
+    N, C, H, W = shape
+    flat, outside = _pixel_rows(shape, idx, bp.boffset_h, bp.boffset_w, bp.bsize_h, bp.bsize_w,
+                                bp.bstride_h, bp.bstride_w)
+    rows = g.permute(0, 2, 3, 1).reshape(-1, C).index_fill(0, outside, 0)
+    gx = g.new_zeros((N * H * W, C)).index_add_(0, flat, rows)
+    return gx.view(N, H, W, C).permute(0, 3, 1, 2)
+
+
+def bench_nhwc(x: torch.Tensor, bp: BlockParams, frac: float, reps: int, gen: torch.Generator) -> list[Row]:
+    """Rows for the NHWC kernels against the torch index ops they replace (values checked first)."""
+    x = x.contiguous(memory_format=torch.channels_last)
+    N, C, H, W = x.shape
+    idx = (torch.rand((N, bp.bcount_h, bp.bcount_w), generator=gen) < frac).nonzero().to(torch.int32)
+    K = idx.shape[0]
+    tiles = torch.randn((K, C, bp.obsize_h, bp.obsize_w), generator=gen).contiguous(memory_format=torch.channels_last)
+    g = torch.randn((K, C, bp.bsize_h, bp.bsize_w), generator=gen).contiguous(memory_format=torch.channels_last)
+    lib = torch.ops.sbnet
+    st, of = list(bp.bstride), list(bp.boffset)
+    assert torch.equal(index_gather(x, idx, bp), sparse_gather(x, idx, bp))
+    torch.testing.assert_close(index_residual_scatter(tiles, idx, x, bp),
+                               sparse_scatter(tiles, idx, x, bp, add=True, relu=True))
+    torch.testing.assert_close(index_gather_backward(g, idx, bp, x.shape),
+                               lib.sparse_gather_backward(g, idx, list(x.shape), st, of, True))
+    pairs = {
+        "gather_nhwc": (lambda: sparse_gather(x, idx, bp), lambda: index_gather(x, idx, bp)),
+        "residual_scatter_nhwc": (lambda: sparse_scatter(tiles, idx, x, bp, add=True, relu=True),
+                                  lambda: index_residual_scatter(tiles, idx, x, bp)),
+        "gather_backward_nhwc": (lambda: lib.sparse_gather_backward(g, idx, list(x.shape), st, of, True),
+                                 lambda: index_gather_backward(g, idx, bp, x.shape)),
+    }
+    return [Row(op, frac, K, *median_ms_pair(kernel, naive, reps)) for op, (kernel, naive) in pairs.items()]
+
+
 def median_ms_pair(kernel, naive, reps: int) -> tuple[float, float]:
     """Median milliseconds of two callables, measured alternately so machine load hits both alike."""
     kernel(), naive()  # warm-up
@@ -119,10 +190,17 @@ def main(argv=None) -> None:
     bp = calc_block_params(H, W, bsize=(16, 16), ksize=3, stride=1, padding=1)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn((N, C, H, W), generator=gen)
-    rows = [row for frac in (0.05, 0.2, 0.5, 1.0) for row in bench_fraction(x, bp, frac, args.reps, gen)]
+    fracs = (0.05, 0.2, 0.5, 1.0)
+    rows = [row for frac in fracs for row in bench_fraction(x, bp, frac, args.reps, gen)]
+    rows += [row for frac in fracs for row in bench_nhwc(x, bp, frac, args.reps, gen)]
 
-    title = (f"sbnet CPU kernels vs naive torch, x = [{N}, {C}, {H}, {W}] float32, bsize 16, ksize 3, "
-             f"{torch.get_num_threads()} threads, median of {args.reps}")
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.machine()) if Path("/proc/cpuinfo").exists() else ""
+    env = (f"MALLOC_MMAP_MAX_={os.environ.get('MALLOC_MMAP_MAX_', 'unset')}, "
+           f"MALLOC_TRIM_THRESHOLD_={os.environ.get('MALLOC_TRIM_THRESHOLD_', 'unset')}")
+    title = (f"sbnet CPU kernels vs naive torch (NCHW rows) and vs the torch index ops they replace (NHWC rows), "
+             f"x = [{N}, {C}, {H}, {W}] float32, bsize 16, ksize 3, {torch.get_num_threads()} threads, "
+             f"median of {args.reps}; {cpu}; {env}")
     print(f"\n{title}")
     print(f"{'op':<16} {'active':>6} {'K':>6} {'kernel ms':>10} {'naive ms':>10} {'naive/kernel':>12}")
     for r in rows:
@@ -135,7 +213,7 @@ def main(argv=None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "size": [N, C, H, W], "threads": torch.get_num_threads(), "torch": torch.__version__,
-        "machine": platform.processor() or platform.machine(), "reps": args.reps,
+        "machine": platform.processor() or platform.machine(), "cpu": cpu, "allocator": env, "reps": args.reps,
         "rows": [dict(asdict(r), speedup=r.speedup) for r in rows],
     }, indent=2) + "\n")
     args.out.with_suffix(".md").write_text("\n".join(table) + "\n")

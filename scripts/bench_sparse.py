@@ -2,28 +2,31 @@
 
     python scripts/bench_sparse.py [quick=false] [out=benchmarks/sparse_cpu.json] [md=] [batch=1]
         [stages=1,2,3,4] [sparsity=0.5,0.75,0.9,0.95,0.99] [blocks=8,16,32] [layers=conv3x3,bottleneck]
-        [passes=fwd,fwd+bwd] [reps=3] [threads=1] [layout=nhwc] [spconv=true]
+        [passes=fwd,fwd+bwd] [reps=3] [threads=1] [layout=nhwc] [spconv=true] [device=cpu] [dtype=float32]
 
 Layers, at the four stage sizes of SBNet's LiDAR backbone on our KITTI BEV grid (PIXOR layout, input
 800 x 704, stage outputs at strides 2..16 with 96/192/256/384 channels; see detector.nn.resnet):
 
     stage 1: 400 x 352 x  96    stage 2: 200 x 176 x 192    stage 3: 100 x 88 x 256    stage 4: 50 x 44 x 384
 
-- ``conv3x3``: one 3x3 convolution C -> C (SparseBlockConv2d vs the same nn.Conv2d);
+- ``conv3x3``: one 3x3 conv-BN-ReLU C -> C (a one-conv SparseConvChain vs its dense twin);
 - ``bottleneck``: one post-activation bottleneck unit C -> C/4 -> C/4 -> C with identity shortcut
   (SparseResidualUnit vs its dense twin, same weights).
 
 Maps are channels-last (``layout=nhwc``, default) for dense and sparse alike: oneDNN's dense convolution
-is fastest that way on this CPU, and the sparse path then gathers/scatters NHWC rows
-(detector.nn.layout); ``layout=nchw`` runs both on NCHW maps (sparse through detector.ops' kernels).
+is fastest that way on this CPU, and the compiled ops gather/scatter NHWC block rows natively;
+``layout=nchw`` runs both on NCHW maps. ``device=cuda`` / ``dtype=bfloat16`` run on a GPU / in bf16
+(``make gpu-check``); times are then taken after ``torch.cuda.synchronize()``.
 
 Masks: at each block size, a random ``(1 - sparsity)`` fraction of the layer's output tiles is active
 (at least one): the mask has one pixel at each chosen tile's centre, so ``reduce_mask`` returns exactly
 those blocks. The sparse time is the whole layer call with the mask (reduce_mask, gather, convolutions,
 BN/ReLU, scatter). ``fwd``: eval mode under ``torch.no_grad()`` (BN folded into the convolutions on both
-sides); the unit writes into a copy of its input (``sparse_inplace_ms`` also gives the in-place
-inference path the backbone uses). ``fwd+bwd``: training mode (batch statistics), forward and backward
-of a fixed output gradient, input gradient included. Every time is the best of ``reps`` after a warm-up
+sides); ``speedup`` is the layer's normal path, a unit whose caller keeps its input (it writes a copy);
+``sparse_inplace_ms`` / ``speedup_inplace`` give the path the backbone takes for the stage's own
+intermediates (the unit writes into its input; in ``fwd+bwd`` too, on a non-leaf input made before the
+timer starts). ``fwd+bwd``: training mode (batch statistics), forward and backward of a fixed output
+gradient, input gradient included. Every time is the best of ``reps`` after a warm-up
 (the median is recorded too). Each row reports the best block size; ``speedup`` = dense / sparse at that
 block size, ``ideal`` = 1 / (1 - actual block sparsity), ``auto_speedup`` = dense / min(dense, sparse)
 (what ``block_size="auto"`` may reach by choosing dense). Time shares of the sparse path's phases
@@ -58,12 +61,11 @@ import torch
 import torch.nn.functional as F
 
 from detector.cli import parse_args
-from detector.nn.chain import SparseConvChain
+from detector.nn.block_pass import BlockPass
+from detector.nn.chain import SparseConvChain, zeros_in_layout
 from detector.nn.geometry import BlockSpan, level_masks
-from detector.nn.layout import gather_blocks, scatter_blocks, zeros_like_layout
 from detector.nn.resnet import SparseResidualUnit
-from detector.nn.sparse_conv import SparseBlockConv2d
-from detector.ops.functional import reduce_mask
+from detector.ops import reduce_mask, sparse_gather, sparse_scatter, sparse_scatter_
 
 USAGE = __doc__
 DEFAULTS = {
@@ -80,18 +82,30 @@ DEFAULTS = {
     "threads": 1,
     "layout": "nhwc",
     "spconv": True,
+    "device": "cpu",
+    "dtype": "float32",
 }
 STAGES = {1: (400, 352, 96), 2: (200, 176, 192), 3: (100, 88, 256), 4: (50, 44, 384)}
 PHASES = ("reduce_mask", "gather", "conv", "scatter")
 
 
-def timed(fn: Callable[[], object], reps: int) -> tuple[float, float]:
-    """(best, median) milliseconds of ``reps`` calls after one warm-up call."""
-    fn()
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[..., object], reps: int, setup: Callable[[], object] | None = None) -> tuple[float, float]:
+    """(best, median) milliseconds of ``reps`` calls after one warm-up call; ``setup()`` (untimed) makes
+    each call's argument."""
+    arg = () if setup is None else (setup(),)
+    fn(*arg)
     ts = []
     for _ in range(reps):
+        arg = () if setup is None else (setup(),)
+        _sync()
         t0 = time.perf_counter()
-        fn()
+        fn(*arg)
+        _sync()
         ts.append((time.perf_counter() - t0) * 1e3)
     return min(ts), statistics.median(ts)
 
@@ -99,17 +113,18 @@ def timed(fn: Callable[[], object], reps: int) -> tuple[float, float]:
 def make_layer(layer: str, C: int, block: int) -> torch.nn.Module:
     torch.manual_seed(0)
     if layer == "conv3x3":
-        return SparseBlockConv2d(C, C, 3, bias=False, block_size=block)
-    unit = SparseResidualUnit(C, C, bottleneck=True, block_size=block)
+        unit = SparseConvChain(C, (C,), (3,), (1,), shortcut="none", block_size=block, name="conv3x3")
+    else:
+        unit = SparseResidualUnit(C, C, bottleneck=True, block_size=block)
     with torch.no_grad():  # realistic BN statistics: not the identity
-        for bn in unit._slots:
+        for bn in unit.slots:
             bn.running_mean.uniform_(-0.1, 0.1)
             bn.running_var.uniform_(0.5, 1.5)
     return unit
 
 
-def block_params(m: torch.nn.Module, H: int, W: int):
-    return m.geometry(H, W).block if isinstance(m, SparseConvChain) else m.block_params(H, W)
+def block_params(m: SparseConvChain, H: int, W: int):
+    return m.geometry(H, W).block
 
 
 def random_tile_mask(bp, N: int, sparsity: float, seed: int) -> tuple[torch.Tensor, int]:
@@ -132,49 +147,36 @@ def sparse_phases(m, x, mask, bp, backward: bool, reps: int) -> dict[str, float]
     """Best-of-reps milliseconds of each phase of the sparse path (with its backward if asked)."""
     idx = reduce_mask(mask, bp, tol=m.tol)
     out: dict[str, float] = {"reduce_mask": timed(lambda: reduce_mask(mask, bp, tol=m.tol), reps)[0]}
-    is_unit = isinstance(m, SparseConvChain)
-    if is_unit:
-        geo = m.geometry(x.shape[2], x.shape[3])
-        span = BlockSpan.of(idx)
-        masks = [level_masks(idx, lv, span) for lv in geo.levels]
+    geo = m.geometry(x.shape[2], x.shape[3])
+    span = BlockSpan.of(idx)
+    masks = [level_masks(idx, lv, span) for lv in geo.levels]
+    identity = m.shortcut == "identity"
+    post = identity and not m.preact  # relu(x + tile) done by the scatter
 
-        def gather(x_):
-            return m._gather(x_, idx, geo)
+    def gather(x_):
+        return sparse_gather(x_, idx, bp)
 
-        def compute(xb):
-            return m._run_blocks(xb, geo, masks, [None] * len(m._slots), collect=False)[0]
-    else:
-
-        def gather(x_):
-            return gather_blocks(x_, idx, bp)
-
-        def compute(xb):
-            return F.conv2d(xb, m.weight, m.bias)
+    def compute(xb):
+        return BlockPass(m, geo, masks, [None] * len(m.slots), collect=False).run(xb, skip_identity=post)[0]
 
     with torch.no_grad():
         xb = gather(x)
         tiles = compute(xb)
-    identity = is_unit and m.shortcut == "identity"
-    add = is_unit and m.preact
     base_shape = (x.shape[0], tiles.shape[1], bp.out_h, bp.out_w)
+
+    def scatter(t, base):  # the unit's normal path: into a copy of its input, or into fresh zeros
+        if identity:
+            return sparse_scatter(t, idx, base, bp, add=True, relu=post)
+        return sparse_scatter_(t, idx, zeros_in_layout(x, base_shape), bp, add=False)
+
     if not backward:
         with torch.no_grad():
             out["gather"] = timed(lambda: gather(x), reps)[0]
             out["conv"] = timed(lambda: compute(xb), reps)[0]
-            if identity:  # the copying scatter into the input
-                out["scatter"] = timed(
-                    lambda: scatter_blocks(tiles, idx, x, bp, add=add, inplace=False), reps
-                )[0]
-            else:  # in place into fresh zeros
-
-                def scatter_zeros():
-                    base = zeros_like_layout(x, base_shape)
-                    return scatter_blocks(tiles, idx, base, bp, add=True, inplace=True)
-
-                out["scatter"] = timed(scatter_zeros, reps)[0]
+            out["scatter"] = timed(lambda: scatter(tiles, x), reps)[0]
         return out
     gb, gt = torch.randn_like(xb), torch.randn_like(tiles)
-    go = zeros_like_layout(x, base_shape).normal_()
+    go = zeros_in_layout(x, base_shape).normal_()
 
     def gather_fb():
         xr = x.detach().requires_grad_(True)
@@ -186,8 +188,7 @@ def sparse_phases(m, x, mask, bp, backward: bool, reps: int) -> dict[str, float]
 
     def scatter_fb():
         tr = tiles.detach().requires_grad_(True)
-        base = (x.detach() if identity else zeros_like_layout(x, base_shape)).requires_grad_(True)
-        scatter_blocks(tr, idx, base, bp, add=add, inplace=False).backward(go)
+        scatter(tr, x.detach().requires_grad_(identity)).backward(go)
 
     out["gather"] = timed(gather_fb, reps)[0]
     out["conv"] = timed(compute_fb, reps)[0]
@@ -262,7 +263,9 @@ def run(args: dict) -> list[dict]:
     layers = args["layers"].split(",")
     passes = args["passes"].split(",")
     N = args["batch"]
+    device, dtype = torch.device(args["device"]), getattr(torch, args["dtype"])
     env = environment()
+    env["device"], env["dtype"] = str(device), args["dtype"]
     load0 = os.getloadavg()[0]
     print(
         f"allocator: MALLOC_MMAP_MAX_={env['malloc_mmap_max']} "
@@ -272,9 +275,9 @@ def run(args: dict) -> list[dict]:
     )
     from detector.ops import _library
 
-    if not _library.has_kernels("cpu"):
+    if not _library.has_kernels(device.type):
         print(
-            f"WARNING: compiled sbnet kernels unavailable ({_library.unavailable_reason('cpu')}); "
+            f"WARNING: compiled sbnet kernels unavailable ({_library.unavailable_reason(device.type)}); "
             "timing the pure-PyTorch reference",
             flush=True,
         )
@@ -283,8 +286,8 @@ def run(args: dict) -> list[dict]:
     for stage in stages:
         H, W, C = STAGES[stage]
         torch.manual_seed(stage)
-        x_nchw = torch.randn(N, C, H, W)
-        g_nchw = torch.randn(N, C, H, W)
+        x_nchw = torch.randn(N, C, H, W).to(device, dtype)
+        g_nchw = torch.randn(N, C, H, W).to(device, dtype)
         maps = {
             "nchw": (x_nchw, g_nchw),
             "nhwc": tuple(t.contiguous(memory_format=torch.channels_last) for t in (x_nchw, g_nchw)),
@@ -293,7 +296,7 @@ def run(args: dict) -> list[dict]:
         for layer in layers:
             for pas in passes:
                 backward = pas == "fwd+bwd"
-                m = make_layer(layer, C, blocks[0]).train(backward)
+                m = make_layer(layer, C, blocks[0]).to(device, dtype).train(backward)
 
                 def call(x_, g_, m=m, backward=backward, **kw):
                     if not backward:
@@ -319,6 +322,7 @@ def run(args: dict) -> list[dict]:
                         m.block_size = b
                         bp = block_params(m, H, W)
                         mask, k = random_tile_mask(bp, N, sp, seed=1000 * stage + b)
+                        mask = mask.to(device, dtype)
                         assert reduce_mask(mask, bp, tol=m.tol).shape[0] == k
                         ms, med = timed(lambda call=call, mask=mask, x=x, g=g: call(x, g, mask=mask), reps)
                         per_block[b] = ms
@@ -342,6 +346,10 @@ def run(args: dict) -> list[dict]:
                         "sparse_ms": round(sparse_ms, 3),
                         "speedup": round(dense_ms / sparse_ms, 3),
                         "ideal": round(1.0 / (1.0 - actual), 3),
+                        # the physical bound: the active tiles' blocks, halo included, at the dense rate
+                        "bound": round(
+                            (bp.obsize_h * bp.obsize_w) / ((1.0 - actual) * bp.bsize_h * bp.bsize_w), 3
+                        ),
                         "auto_speedup": round(dense_ms / min(dense_ms, sparse_ms), 3),
                         "block_size": b,
                         "blocks_active": k,
@@ -357,14 +365,30 @@ def run(args: dict) -> list[dict]:
                         "shares": {p: round(phases[p] / total, 3) for p in PHASES},
                         **env,
                     }
-                    if layer == "bottleneck" and not backward:  # inference writing into its own input
-                        xo = x.clone()
-                        ms = timed(lambda mask=mask, xo=xo, g=g: call(xo, g, mask=mask, inplace=True), reps)[
-                            0
-                        ]
+                    if layer == "bottleneck":  # the unit writing into its own input (an intermediate it owns)
+                        if backward:
+
+                            def owned(x=x):
+                                xr = x.detach().requires_grad_(True)
+                                return xr * 1.0  # a non-leaf, as a stage's intermediate is
+
+                            def step(xo, m=m, mask=mask, g=g):
+                                for p in m.parameters():
+                                    p.grad = None
+                                m(xo, mask=mask, inplace=True).backward(g)
+                        else:
+
+                            def owned(x=x):
+                                return x.clone()
+
+                            def step(xo, m=m, mask=mask):
+                                with torch.no_grad():
+                                    m(xo, mask=mask, inplace=True)
+
+                        ms = timed(step, reps, setup=owned)[0]
                         row["sparse_inplace_ms"] = round(ms, 3)
                         row["speedup_inplace"] = round(dense_ms / ms, 3)
-                    if layer == "conv3x3" and not backward and args["spconv"]:
+                    if layer == "conv3x3" and not backward and args["spconv"] and device.type == "cpu":
                         t = spconv_time(x, tile_pixels(bp, reduce_mask(mask, bp), N), C, reps)
                         if t is not None:
                             row["spconv_subm_ms"], row["spconv_max_abs_err"] = round(t[0], 3), t[1]
@@ -388,6 +412,7 @@ HEADER = (
     "speedup",
     "in-place",
     "ideal",
+    "bound",
     "auto",
     "reduce/gather/conv/scatter %",
 )
@@ -406,14 +431,14 @@ def fmt_row(r: dict) -> str:
         f"{r['layer']:10s} {r['stage']:1d} {r['H']:3d}x{r['W']:3d}x{r['C']:3d} {r['sparsity']:5.2f} "
         f"{r['pass']:7s} {r['block_size']:3d} {r['dense_ms']:9.1f}{_SUFFIX[r['dense_layout']]} "
         f"{r['sparse_ms']:9.1f} "
-        f"{r['speedup']:6.2f}x {_inplace(r):>7s} {r['ideal']:6.1f}x {r['auto_speedup']:6.2f}x  {sh}"
+        f"{r['speedup']:6.2f}x {_inplace(r):>7s} {r['ideal']:6.1f}x {r['bound']:6.1f}x {r['auto_speedup']:6.2f}x  {sh}"
     )
 
 
 def markdown(rows: list[dict], command: str) -> str:
     r0 = rows[0]
     lines = [
-        "# Sparse-block benchmark (CPU)",
+        f"# Sparse-block benchmark ({r0.get('device', 'cpu')}, {r0.get('dtype', 'float32')})",
         "",
         f"Command: `{command}`",
         "",
@@ -424,8 +449,10 @@ def markdown(rows: list[dict], command: str) -> str:
         "",
         f"Sparse maps {r0['sparse_layout']}; dense timed on NCHW and NHWC maps, the faster one is the "
         "baseline (`dense ms` suffix: c = NCHW, h = NHWC). Best of the repetitions; "
-        "`speedup` = dense / sparse at the best block size (the unit writes a copy of its input); "
-        "`in-place` = the inference path writing into its input (bottleneck fwd); "
+        "`speedup` = dense / sparse at the best block size (the unit writes a copy of its input: its "
+        "caller keeps it); `in-place` = the unit writing into its input, as the backbone's stages do for "
+        "their own intermediates (bottleneck; fwd+bwd on a non-leaf input made before the timer); "
+        "`bound` = the physical bound: dense / (active tiles x (tile + halo)^2 / tile^2); "
         "`ideal` = 1 / (1 - actual block sparsity); `auto` = dense / min(dense, sparse) "
         "(block_size='auto' may choose dense). Shares: phases of the sparse path timed separately "
         "(with backward in fwd+bwd rows). fwd = eval mode, no grad; fwd+bwd = training mode. "
@@ -440,7 +467,7 @@ def markdown(rows: list[dict], command: str) -> str:
             f"| {r['layer']} | {r['stage']} | {r['H']}x{r['W']}x{r['C']} | {r['sparsity']:.2f} | "
             f"{r['pass']} | {r['block_size']} | {r['dense_ms']:.1f} {_SUFFIX[r['dense_layout']]} | "
             f"{r['sparse_ms']:.1f} | {r['speedup']:.2f}x | {_inplace(r)} | "
-            f"{r['ideal']:.1f}x | {r['auto_speedup']:.2f}x | {sh} |"
+            f"{r['ideal']:.1f}x | {r['bound']:.1f}x | {r['auto_speedup']:.2f}x | {sh} |"
         )
     sp = [r for r in rows if "spconv_subm_ms" in r]
     if sp:

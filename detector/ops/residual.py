@@ -75,7 +75,8 @@ class _Scatter(torch.autograd.Function):
             out = x
         else:
             out = torch.ops.sbnet.sparse_scatter(tiles, indices, x, list(tile), [0, 0], True, relu)
-        ctx.save_for_backward(indices, tiles_of(out, indices, tile) if relu else None)
+        need = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        ctx.save_for_backward(indices, tiles_of(out, indices, tile) if relu and need else None)
         ctx.args = (tile, relu, memory_format_of(out), link)
         return out
 
@@ -108,14 +109,14 @@ class ResidualBlocks:
 
     def gather(self) -> torch.Tensor:
         """The blocks ``[K, C, bsize_h, bsize_w]`` of ``x`` (``x``'s layout; 0 outside the map)."""
-        if not self.fused:
+        if not self.fused or not (torch.is_grad_enabled() and self.x.requires_grad):
             return sparse_gather(self.x, self.indices, self.bp)
         return _Gather.apply(self.x, self.indices, self.bp, self.link)
 
     def scatter(self, tiles: torch.Tensor, relu: bool) -> torch.Tensor:
         """``x`` with each tile added (``relu``: ``relu(x + tile)``), a copy or ``x`` itself (``inplace``)."""
         x, bp = self.x, self.bp
-        if not self.fused:
+        if not self.fused or not (torch.is_grad_enabled() and (x.requires_grad or tiles.requires_grad)):
             op = sparse_scatter_ if self.inplace else sparse_scatter
             return op(tiles, self.indices, x, bp, add=True, relu=relu)
         tiles = tiles.contiguous(memory_format=memory_format_of(x))
