@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
@@ -11,30 +12,77 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from detector.data.kitti import KittiLabels, boxes_to_labels
+from detector.data.kitti import KittiLabels, as_written, boxes_to_labels, labels_to_boxes
 from detector.data.structures import Batch, Detections
 from detector.models.detector import BevDetector
 
-
-def detections_to_labels(dets: Detections, classes: Sequence[str], frame) -> KittiLabels:
-    """One frame's detections as KITTI result records (camera frame, projected 2D box, alpha, score)."""
-    names = np.asarray(classes)[dets.labels.cpu().numpy()] if len(dets) else np.zeros(0, "<U16")
-    return boxes_to_labels(dets.boxes.to("cpu", torch.float64), names, frame.calib, scores=dets.scores.cpu().numpy())
+SCOPE = "ground truth and detections whose box centre lies inside the BEV grid (DontCare kept)"
 
 
-def in_range_gt(labels: KittiLabels, boxes_lidar: np.ndarray, grid) -> KittiLabels:
-    """The ground truth the detector can see: objects whose centre lies inside the BEV grid (DontCare
-    kept). Objects outside the grid are dropped, as in PIXOR's evaluation."""
-    x, y = boxes_lidar[:, 0], boxes_lidar[:, 1]
-    inside = (x >= grid.x_range[0]) & (x < grid.x_range[1]) & (y >= grid.y_range[0]) & (y < grid.y_range[1])
-    return labels.select((labels.name == "DontCare") | inside)
+@dataclass
+class FrameRecords:
+    """One frame's KITTI records as the metric sees them and as the files hold them: ``gt`` None for a
+    frame without labels (e.g. the testing split)."""
+
+    frame_id: str
+    gt: KittiLabels | None
+    dt: KittiLabels
+
+
+def _inside(x: np.ndarray, y: np.ndarray, grid) -> np.ndarray:
+    return (x >= grid.x_range[0]) & (x < grid.x_range[1]) & (y >= grid.y_range[0]) & (y < grid.y_range[1])
+
+
+def frame_records(batch: Batch, dets: Sequence[Detections], classes: Sequence[str], grid) -> list[FrameRecords]:
+    """THE translation of a batch's predictions and ground truth into KITTI records, used by validation
+    (``DetectorModule.validation_step``) and evaluation (``tasks.evaluate_checkpoint``) alike.
+
+    Detections → result records (camera frame, 2D box projected with P2 and clipped, alpha, score). Both
+    sides are filtered the same way: records whose box centre lies inside the BEV grid (what the detector
+    can see, as in PIXOR's evaluation; DontCare regions kept). Both are returned exactly as the KITTI
+    files written from them read back (:func:`as_written`), so the result and label files give the same
+    AP as the records in memory.
+    """
+    out = []
+    for f, d in zip(batch.frames, dets, strict=True):
+        d = d.to("cpu")
+        names = np.asarray(classes)[d.labels.numpy()] if len(d) else np.zeros(0, "<U16")
+        boxes = d.boxes.to("cpu", torch.float64)
+        res = boxes_to_labels(boxes, names, f.calib, scores=d.scores.numpy())
+        xy = boxes.tensor[:, :2].numpy()
+        res = as_written(res.select(_inside(xy[:, 0], xy[:, 1], grid)), f"frame {f.frame_id} detections")
+        gt = None
+        if f.labels is not None:
+            lab = f.labels
+            obj = lab.name != "DontCare"
+            xy = np.zeros((len(lab), 2))
+            xy[obj] = labels_to_boxes(lab.select(obj), f.calib).tensor[:, :2].double().numpy()
+            gt = as_written(lab.select(~obj | _inside(xy[:, 0], xy[:, 1], grid)), f"frame {f.frame_id} labels")
+        out.append(FrameRecords(f.frame_id, gt, res))
+    return out
+
+
+def gather_records(records: list[FrameRecords]) -> list[FrameRecords]:
+    """All processes' validation records (DDP: ``all_gather_object``), each frame once: the distributed
+    sampler pads the last batch by repeating frames. Order: rank 0's records, then rank 1's, ..."""
+    if dist.is_available() and dist.is_initialized():
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, records)
+        records = [r for part in gathered for r in part]
+    seen, unique = set(), []
+    for r in records:
+        if r.frame_id not in seen:
+            seen.add(r.frame_id)
+            unique.append(r)
+    return unique
 
 
 class DetectorModule(L.LightningModule):
     """Holds the detector; the optimizer and schedule come from config as partials.
 
     ``optimizer``: ``params -> Optimizer``; ``scheduler``: ``(optimizer, total_steps) -> LRScheduler``
-    stepped every optimizer step (one-cycle by default).
+    stepped every optimizer step (one-cycle by default). ``decode``: the decode settings
+    (score_threshold, nms_iou, max_detections; ``tasks.decode_kwargs``), the same evaluation uses.
     """
 
     def __init__(
@@ -45,6 +93,7 @@ class DetectorModule(L.LightningModule):
         eval_classes: Sequence[str] | None = None,
         image_every_n_val: int = 1,
         config: dict | None = None,
+        decode: Mapping[str, Any] | None = None,
     ):
         super().__init__()
         self.model = model
@@ -53,9 +102,10 @@ class DetectorModule(L.LightningModule):
         self.classes = list(model.coder.classes)
         self.eval_classes = list(eval_classes or [c for c in self.classes if c in ("Car", "Pedestrian", "Cyclist")])
         self.image_every_n_val = image_every_n_val
+        self.decode_kwargs = dict(decode or {})
         # The resolved config goes into the checkpoint as plain containers (loadable with weights_only).
         self.save_hyperparameters({"config": config or {}}, logger=False)
-        self._val_records: list[tuple[str, KittiLabels, KittiLabels]] = []
+        self._val_records: list[FrameRecords] = []
         self._val_image = None
         self.last_metrics: dict | None = None
 
@@ -84,21 +134,14 @@ class DetectorModule(L.LightningModule):
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
         self.model.timing = True
         out = self.model(batch)
-        dets = self.model.decode(out)
+        dets = self.model.decode(out, **self.decode_kwargs)
         B = batch.size
         self.log("val/mask_sparsity", out.sparsity, batch_size=B, sync_dist=True)
         for k in ("backbone", "voxelize", "mask", "head", "decode"):
             if k in out.times:
                 self.log(f"val/time_{k}_ms_per_frame", 1000 * out.times[k] / B, batch_size=B, sync_dist=True)
-        for f, d, gtb in zip(batch.frames, dets, batch.gt_boxes, strict=True):
-            if f.labels is None:
-                continue
-            raw = f.labels
-            obj = raw.name != "DontCare"
-            lidar = np.zeros((len(raw), 7))
-            lidar[obj] = gtb.tensor.detach().cpu().double().numpy()
-            self._val_records.append((f.frame_id, in_range_gt(raw, lidar, self.model.grid),
-                                      detections_to_labels(d, self.classes, f)))
+        records = frame_records(batch, dets, self.classes, self.model.grid)
+        self._val_records += [r for r in records if r.gt is not None]
         if batch_idx == 0 and self._val_image is None:
             self._val_image = (batch.frames[0], dets[0].to("cpu"), None if out.mask is None else out.mask[0, 0].cpu())
 
@@ -109,21 +152,11 @@ class DetectorModule(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         from detector.eval.kitti_metric import evaluate
 
-        records = self._val_records
-        if dist.is_available() and dist.is_initialized():
-            gathered: list = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, records)
-            records = [r for part in gathered for r in part]
-        # Padding of the distributed sampler repeats frames: keep each frame once.
-        seen, unique = set(), []
-        for r in records:
-            if r[0] not in seen:
-                seen.add(r[0])
-                unique.append(r)
+        unique = gather_records(self._val_records)
         self._val_records = []
         if not unique:
             return
-        result = evaluate([r[1] for r in unique], [r[2] for r in unique], classes=self.eval_classes)
+        result = evaluate([r.gt for r in unique], [r.dt for r in unique], classes=self.eval_classes)
         metrics = result.to_json()
         self.last_metrics = metrics
         flat = {}

@@ -22,7 +22,7 @@ from detector.data.kitti import KittiRoot, write_label
 from detector.data.voxelize import BevGrid
 from detector.errors import ConfigError, root_cause
 from detector.models.detector import BevDetector
-from detector.module import DetectorModule, detections_to_labels, in_range_gt
+from detector.module import SCOPE, DetectorModule, frame_records
 from detector.resources import config_dir
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     config = OmegaConf.to_container(cfg, resolve=True)
     config["data"]["batch_size"] = bs
     scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
-    module = DetectorModule(model, instantiate(cfg.optimizer), scheduler, config=config)
+    module = DetectorModule(model, instantiate(cfg.optimizer), scheduler, config=config,
+                            decode=decode_kwargs(cfg.model))
     callbacks = [instantiate(c) for c in cfg.get("callbacks", {}).values() if c is not None and "_target_" in c]
     logger = instantiate(cfg.logger) if cfg.get("logger") and "_target_" in cfg.logger else False
     if not logger:  # nothing to monitor the learning rate into
@@ -185,14 +186,21 @@ def _flat_hparams(config: dict, prefix: str = "") -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 # Evaluation
 # --------------------------------------------------------------------------------------------------
-def load_detector(ckpt_path: str | Path, mask_override: str | None = None) -> tuple[BevDetector, DictConfig]:
-    """Rebuild the detector from a checkpoint's saved config and load its weights (weights_only)."""
+def load_detector(ckpt_path: str | Path, mask_override: str | DictConfig | None = None
+                  ) -> tuple[BevDetector, DictConfig]:
+    """Rebuild the detector from a checkpoint's saved config and load its weights (weights_only).
+
+    ``mask_override``: a mask config (``eval.yaml``'s ``mask=...`` group) or its name; None keeps the
+    checkpoint's. A mask net the checkpoint did not train (e.g. ``mask=predicted`` on a ``road_map``
+    checkpoint) is an error; a mask net it trained but the override does not use is dropped."""
     ckpt = load_checkpoint(ckpt_path)
     saved = ckpt.get("hyper_parameters", {}).get("config")
     if not saved:
         raise ConfigError(f"{ckpt_path}: checkpoint has no saved config (was it written by scripts/train.py?)")
     cfg = OmegaConf.create(saved)
-    if mask_override is not None:
+    if isinstance(mask_override, DictConfig):
+        cfg.mask = mask_override
+    elif mask_override is not None:
         from hydra import compose, initialize_config_dir
 
         with initialize_config_dir(str(config_dir()), version_base=None):
@@ -201,6 +209,9 @@ def load_detector(ckpt_path: str | Path, mask_override: str | None = None) -> tu
     model = build_model(cfg.model, cfg.mask, grid)
     state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     missing, unexpected = model.load_state_dict(state, strict=False)
+    if any(k.startswith("mask_net.") for k in missing):
+        raise ConfigError(f"mask: {ckpt_path} has no trained mask net (trained with mask={_mask_name(saved['mask'])}); "
+                          "evaluate it with its own mask, mask=ground or mask=none")
     bad = [k for k in (*missing, *unexpected) if not k.startswith("mask_net.")]
     if bad:
         raise ConfigError(f"{ckpt_path}: weights do not fit the saved model config: {bad[:5]}")
@@ -209,10 +220,13 @@ def load_detector(ckpt_path: str | Path, mask_override: str | None = None) -> tu
 
 @torch.no_grad()
 def evaluate_checkpoint(ckpt_path: str | Path, data_cfg: DictConfig, out_dir: str | Path, split: str,
-                        mask_override: str | None = None, write_results: bool = True,
+                        mask_override: str | DictConfig | None = None, write_results: bool = True,
                         device: str | None = None) -> dict[str, Any]:
-    """Run a checkpoint over ``split`` of ``data_cfg.root``; print the KITTI table; write metrics.json and
-    (``write_results``) KITTI result files under ``out_dir/data``. Returns the metric JSON."""
+    """Run a checkpoint over ``split`` of ``data_cfg.root`` with the checkpoint's decode settings (those
+    validation used); print the KITTI table; write metrics.json and (``write_results``) the KITTI result
+    files ``out_dir/data`` and the ground truth they were scored against ``out_dir/label_2`` (both filtered
+    by :func:`detector.module.frame_records`, the translation validation uses): ``scripts/kitti_eval.py``
+    on the two folders prints the same table. Returns the metric JSON."""
     from detector.eval.kitti_metric import evaluate
 
     model, cfg = load_detector(ckpt_path, mask_override)
@@ -226,9 +240,10 @@ def evaluate_checkpoint(ckpt_path: str | Path, data_cfg: DictConfig, out_dir: st
     dm = build_datamodule(data_cfg, cfg.mask, model.grid, bool(cfg.model.sparse))
     loader = dm.val_dataloader()
     out_dir = Path(out_dir)
-    res_dir = out_dir / "data"
+    res_dir, gt_dir = out_dir / "data", out_dir / "label_2"
     if write_results:
         res_dir.mkdir(parents=True, exist_ok=True)
+        gt_dir.mkdir(parents=True, exist_ok=True)
     gts, dts, sparsity, times = [], [], [], {}
     n_frames = 0
     classes = list(cfg.model.classes)
@@ -241,37 +256,40 @@ def evaluate_checkpoint(ckpt_path: str | Path, data_cfg: DictConfig, out_dir: st
         sparsity.append(out.sparsity)
         for k, v in out.times.items():
             times[k] = times.get(k, 0.0) + v
-        for f, d, gtb in zip(batch.frames, dets, batch.gt_boxes, strict=True):
+        for r in frame_records(batch, dets, classes, model.grid):
             n_frames += 1
-            res = detections_to_labels(d.to("cpu"), classes, f)
             if write_results:
-                write_label(res_dir / f"{f.frame_id}.txt", res)
-            if f.labels is not None:
-                obj = f.labels.name != "DontCare"
-                lidar = np.zeros((len(f.labels), 7))
-                lidar[obj] = gtb.tensor.cpu().double().numpy()
-                gts.append(in_range_gt(f.labels, lidar, model.grid))
-                dts.append(res)
+                write_label(res_dir / f"{r.frame_id}.txt", r.dt)
+            if r.gt is not None:
+                if write_results:
+                    write_label(gt_dir / f"{r.frame_id}.txt", r.gt)
+                gts.append(r.gt)
+                dts.append(r.dt)
     wall = time.perf_counter() - t0
     eval_classes = [c for c in classes if c in ("Car", "Pedestrian", "Cyclist")]
     result = evaluate(gts, dts, classes=eval_classes)
     metrics = result.to_json()
     g = model.grid
-    print(f"\nKITTI evaluation of {ckpt_path}\n{n_frames} frames of {data_cfg.root} split '{split}', "
-          f"objects within the BEV grid x [{g.x_range[0]}, {g.x_range[1]}) y [{g.y_range[0]}, {g.y_range[1]}) m; "
+    scope = f"{SCOPE}: x [{g.x_range[0]}, {g.x_range[1]}) y [{g.y_range[0]}, {g.y_range[1]}) m"
+    print(f"\nKITTI evaluation of {ckpt_path}\n{n_frames} frames of {data_cfg.root} split '{split}'; "
           f"mask {'none (dense)' if not cfg.model.sparse else _mask_name(cfg.mask)}, "
-          f"mean sparsity {np.mean(sparsity):.3f}")
+          f"mean sparsity {np.mean(sparsity):.3f}; decode {decode_kwargs(cfg.model)}\nscored: {scope}")
     print(result.table())
+    if write_results:
+        print(f"the same table from the files: python scripts/kitti_eval.py gt={gt_dir} results={res_dir} "
+              f"classes={','.join(eval_classes)}")
     summary = {"frames": n_frames, "ms_per_frame": 1000 * wall / max(n_frames, 1),
                "time_ms_per_frame": {k: 1000 * v / max(n_frames, 1) for k, v in times.items() if k != "start"},
-               "mean_sparsity": float(np.mean(sparsity)) if sparsity else 0.0, "checkpoint": str(ckpt_path)}
+               "mean_sparsity": float(np.mean(sparsity)) if sparsity else 0.0, "checkpoint": str(ckpt_path),
+               "scope": scope, "decode": decode_kwargs(cfg.model)}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "metrics.json").write_text(json.dumps({**metrics, "_run": summary}, indent=1))
-    print(f"metrics: {out_dir / 'metrics.json'}" + (f"; KITTI result files: {res_dir}" if write_results else ""))
+    print(f"metrics: {out_dir / 'metrics.json'}"
+          + (f"; KITTI result files: {res_dir}; ground truth scored: {gt_dir}" if write_results else ""))
     return metrics
 
 
-def _mask_name(mask_cfg: DictConfig) -> str:
+def _mask_name(mask_cfg) -> str:
     if mask_cfg.get("net") is not None:
         return "predicted"
     p = mask_cfg.get("provider")
@@ -282,5 +300,6 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     out_dir = Path(cfg.paths.output_dir)
     print(f"output directory: {out_dir.resolve()}")
     KittiRoot(cfg.data.root)  # clear error when the root is missing
+    # ``mask=<name>`` on the command line selects eval.yaml's optional mask group (None: the checkpoint's).
     return evaluate_checkpoint(cfg.ckpt_path, cfg.data, out_dir, split=cfg.split, mask_override=cfg.get("mask"),
                                write_results=cfg.write_results)

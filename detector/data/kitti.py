@@ -203,6 +203,13 @@ def format_label_lines(labels: KittiLabels) -> list[str]:
     return out
 
 
+def as_written(labels: KittiLabels, where: str = "<records>") -> KittiLabels:
+    """The records exactly as a file written from them reads back (the writer's 2 decimals, the score's
+    shortest decimal): what the metric scores when it must agree with the files. ``where`` names the
+    records in an error (e.g. NaN in a box)."""
+    return parse_label_lines(format_label_lines(labels), where, with_score=labels.score is not None)
+
+
 def write_label(path: str | Path, labels: KittiLabels) -> None:
     """Write a label or result file (a frame with no objects gives an empty file)."""
     lines = format_label_lines(labels)
