@@ -204,3 +204,40 @@ def test_accepts_torch_tensors_and_lists():
     out = bev_iou(a, a)
     assert isinstance(out, np.ndarray) and out.dtype == np.float64 and out[0, 0] == 1.0
     assert bev_iou([[0, 0, 2, 2, 0]], [[1, 0, 2, 2, 0]])[0, 0] == pytest.approx(1 / 3)
+
+
+# --------------------------------------------------------------------------------------------------
+# The metric's 3D overlap: vertical extent from the bottom y and the height h (not w, not l)
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "det_y,det_h,expected",
+    [
+        # GT spans y in [0.1, 1.6] (bottom 1.6, h 1.5); footprint 4.0 x 1.6 = 6.4 m² for both boxes.
+        (1.0, 1.0, 0.9 * 6.4 / (9.6 + 6.4 - 0.9 * 6.4)),  # det [0.0, 1.0]: 0.9 m shared -> 0.5625
+        (2.0, 0.8, 0.4 * 6.4 / (9.6 + 0.8 * 6.4 - 0.4 * 6.4)),  # det [1.2, 2.0]: 0.4 m shared
+        (1.6, 1.5, 1.0),  # the same box
+        (0.1, 0.5, 0.0),  # det [-0.4, 0.1] touches the GT's top: no volume
+        (-0.5, 0.5, 0.0),  # det entirely above
+    ],
+)
+def test_3d_overlap_with_unequal_heights_and_bottoms(det_y, det_h, expected):
+    """Hand-computed 3D IoU of two boxes with the same footprint but different bottom y and height; a
+    vertical extent taken from w (1.6) or l (4.0), or y taken as the centre, gives other values."""
+    from detector.data.kitti import KittiLabels
+    from detector.eval.overlap import Records, overlap_pairs
+
+    def rec(y, h, score=None):
+        return KittiLabels(["Car"], [0.0], [0], [0.0], [[0.0, 0.0, 50.0, 50.0]], [[h, 1.6, 4.0]], [[2.0, y, 20.0]],
+                           [0.3], None if score is None else [score])
+
+    gt = Records.from_labels([rec(1.6, 1.5)], with_score=False)
+    det = Records.from_labels([rec(det_y, det_h, 0.5)], with_score=True)
+    i = np.zeros(1, np.int64)
+    assert overlap_pairs("3d", det, i, gt, i)[0] == pytest.approx(expected, rel=1e-12, abs=1e-15)
+    assert overlap_pairs("bev", det, i, gt, i)[0] == pytest.approx(1.0, rel=1e-12)
+    cam = camera_iou3d_paired(det.location, det.dimensions, det.rotation_y, gt.location, gt.dimensions,
+                              gt.rotation_y)
+    assert cam[0] == pytest.approx(expected, rel=1e-12, abs=1e-15)
+    # Intersection over the detection's volume (the DontCare test): shared height / det height.
+    shared = max(min(det_y, 1.6) - max(det_y - det_h, 0.1), 0.0)
+    assert overlap_pairs("3d", det, i, gt, i, "a")[0] == pytest.approx(shared / det_h, rel=1e-12, abs=1e-15)
