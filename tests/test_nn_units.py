@@ -471,3 +471,24 @@ def test_cumulative_momentum_running_stats_over_steps(layout):
     for (name, b), bd in zip(u.named_buffers(), twin.buffers(), strict=True):
         torch.testing.assert_close(b, bd, atol=ATOL, rtol=0, msg=name)
     assert int(u.bns[0].num_batches_tracked) == 2
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("v", [VARIANTS[0], VARIANTS[3], VARIANTS[6], VARIANTS[9]], ids=vid)
+def test_inplace_training_equals_copying_training(v, layout):
+    """Training: an identity unit writing into an input it owns (a non-leaf) gives the copying path's
+    output, input gradient, weight gradients and running statistics, bit for bit."""
+    runs = []
+    for inplace in (False, True):
+        u = make_unit(v).train()
+        blocks = random_blocks(u, N, H, W)
+        x, _ = make_x(10, layout)
+        owned = x * 1.0  # what the previous unit of a stage hands over
+        y = u(owned, blocks=blocks, inplace=inplace)
+        assert (y is owned) == inplace
+        (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
+        runs.append((y.detach().clone(), x.grad, [p.grad for p in u.parameters()], list(u.buffers())))
+    (y0, g0, p0, b0), (y1, g1, p1, b1) = runs
+    assert torch.equal(y0, y1) and torch.equal(g0, g1)
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(b0, b1, strict=True))

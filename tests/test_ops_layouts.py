@@ -187,3 +187,29 @@ def test_raw_ops_reject_other_stride_patterns():
         lib.sparse_scatter(torch.randn(1, 3, 4, 4), idx, base, [4, 4], [0, 0], True, False)
     # the public function copies other patterns (out of place) and gives the reference's values
     assert torch.equal(ops.sparse_gather(sliced, idx, bp), reference.sparse_gather(sliced.contiguous(), idx, bp))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_low_precision_backward_of_relu_scatter_and_residual_pair(dtype, inplace):
+    """fp16/bf16 gradients of the relu scatter (copy and in place) and of the residual pair against the
+    reference ops in the same dtype (the same rounding, so the same relu mask)."""
+    bp = calc_block_params(20, 18, bsize=8, ksize=3, stride=1, padding=1)
+    idx = _idx(2, bp, 0.7, 16)
+    tiles = _rand((idx.shape[0], 4, bp.obsize_h, bp.obsize_w), dtype, 17, CL)
+    base = _rand((2, 4, 20, 18), dtype, 18, CL)
+    g = _rand((2, 4, 20, 18), dtype, 19, CL)
+    grads = []
+    for op in (ops.sparse_scatter_ if inplace else ops.sparse_scatter, reference.sparse_scatter):
+        t, b = tiles.clone().requires_grad_(), base.clone().requires_grad_()
+        op(t, idx, b * 1.0, bp, True, True).backward(g)
+        grads.append((t.grad, b.grad))
+    for a, b in zip(*grads, strict=True):  # each element is g or 0: exact
+        assert a.dtype == dtype and torch.equal(a, b)
+    w = _rand((4, 4, 3, 3), dtype, 20)
+    x_ref, x = base.clone().requires_grad_(), base.clone().requires_grad_()
+    _unit_reference(x_ref * 1.0, idx, bp, w, True).backward(g)
+    _unit(x * 1.0, idx, bp, w, inplace, True).backward(g)
+    tol = 1e-2 if dtype == torch.float16 else 5e-2  # halo overlaps may add in another order
+    assert x.grad.dtype == dtype
+    torch.testing.assert_close(x.grad.double(), x_ref.grad.double(), rtol=tol, atol=tol)
