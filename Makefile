@@ -10,7 +10,7 @@ DATA ?= data/sim_kitti
 export MALLOC_MMAP_MAX_ ?= 0
 export MALLOC_TRIM_THRESHOLD_ ?= 4000000000
 
-.PHONY: setup sysdeps train test test-all data kernels kernels-cuda bench bench-quick lint clean
+.PHONY: setup sysdeps train test test-all data kernels kernels-cuda gpu-check bench bench-quick lint clean
 
 $(VENV)/.stamp: pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "error: $(PY) not found (set PY=python3.x)"; exit 1; }
@@ -64,6 +64,12 @@ kernels-cuda:
 	  $(CUDA_VENV)/bin/python -m pip install -q "$(CUDA_TORCH_PIN)" numpy ninja
 	CUDA_HOME=$(CUDA_HOME) TORCH_CUDA_ARCH_LIST="$(TORCH_CUDA_ARCH_LIST)" $(CUDA_VENV)/bin/python -c \
 	  "from detector.ops import _library; print(_library.build(with_cuda=True, verbose=True))"
+
+# The prepared GPU check (scripts/gpu_check.py: builds the kernels for this GPU, runs the gpu tests and the GPU
+# benchmarks, <= 8 minutes) with the machine's own python3 and its CUDA torch, not .venv. ARGS: wheels=DIR
+# out=DIR data=DIR budget=SECONDS --dry-run (without a GPU it only checks the preparation and prints the plan).
+gpu-check:
+	python3 scripts/gpu_check.py $(ARGS)
 
 # Benchmarks: each prints a table and writes benchmarks/<name>_cpu.{json,md} (machine, load, allocator noted).
 bench: setup data kernels
