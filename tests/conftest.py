@@ -33,6 +33,16 @@ def calib() -> Calibration:
     return make_calib()
 
 
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory) -> Path:
+    """Six simulated frames at a coarse azimuth step (4 train, 2 val), with road maps."""
+    from detector.sim import LidarSpec, generate_dataset
+
+    root = tmp_path_factory.mktemp("sim") / "kitti"
+    generate_dataset(root, 6, seed=1, workers=1, spec=LidarSpec(columns=600), progress=False)
+    return root
+
+
 @pytest.fixture
 def kitti_real() -> Path:
     if not (KITTI_REAL / "training" / "velodyne").is_dir():
