@@ -173,3 +173,28 @@ def test_real_kitti_labels_as_their_own_detections(kitti_real, tmp_path):
             n = int(r.num_gt[c, li])
             for m in ("2d", "bev", "3d", "aos"):
                 assert r.ap(cls, m, lv) == pytest.approx(max(min(n, 41) - 1, 0) / 40 * 100, abs=1e-9)
+
+
+def test_batched_reader_equals_the_file_by_file_reader(folders, tmp_path):
+    """read_labels (one parse for all files) gives read_label's values, and on a bad file its error."""
+    from detector.data.kitti_batch import read_labels
+
+    gt_dir, res_dir, *_ = folders
+    for folder, with_score in ((gt_dir, False), (res_dir, True)):
+        paths = sorted(folder.glob("*.txt"))
+        for a, b in zip(read_labels(paths, with_score), [read_label(p, with_score) for p in paths], strict=True):
+            for f in ("name", "truncated", "occluded", "alpha", "bbox", "dimensions", "location", "rotation_y"):
+                np.testing.assert_array_equal(getattr(a, f), getattr(b, f))
+            assert (a.score is None) == (not with_score)
+            if with_score:
+                np.testing.assert_array_equal(a.score, b.score)
+    paths = sorted(res_dir.glob("*.txt"))
+    good = paths[2].read_text().splitlines()
+    # The same tokens as two valid lines, but line 1 has 17 fields (a class name at its end) and line 2 has
+    # 15 (no name): the batch must not accept it.
+    f = good[0].split()
+    paths[2].write_text(" ".join(f + ["Car"]) + "\n" + " ".join(good[1].split()[1:]) + "\n")
+    with pytest.raises(KittiFormatError, match=r"000002.txt:1: expected 15 fields \(16 with a score\), got 17"):
+        read_labels(paths, with_score=True)
+    paths[2].write_text("\n".join(good[:3]) + "\n\n   \n" + "\n".join(good[3:]) + "\n")  # blank lines are fine
+    assert len(read_labels(paths, with_score=True)[2]) == len(good)

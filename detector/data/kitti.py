@@ -105,21 +105,19 @@ def parse_label_lines(lines: list[str], path: str | Path, with_score: bool | Non
     infinite values, non-numeric fields, a wrong field count, negative sizes (except DontCare) and, in
     label files, a non-integer ``occluded`` are errors naming the file and line. Vectorized; on invalid
     input the first offending line is named."""
-    numbered = [(i, s.split()) for i, s in enumerate(lines, start=1) if s.strip()]
+    numbered = [(i, f) for i, f in enumerate(map(str.split, lines), start=1) if f]
     if not numbered:
         return KittiLabels.empty(with_score=bool(with_score))
     n_fields = len(numbered[0][1])
     try:
-        if any(len(f) != n_fields for _, f in numbered) or n_fields not in (15, 16):
+        if n_fields not in (15, 16):
             raise ValueError
         name_list = [f[0] for _, f in numbered]
         if not set(name_list) <= _CLASS_SET:
             raise ValueError
         names = np.array(name_list, dtype="<U16")
-        a = np.array([float(v) for _, f in numbered for v in f[1:]], dtype=np.float64).reshape(len(numbered), -1)
-        care = names != "DontCare"
-        int_occ = n_fields == 16 or (a[:, 1] == np.round(a[:, 1])).all()  # the devkit ignores it in results
-        if not np.isfinite(a).all() or not int_occ or (a[care][:, 7:10] < 0).any():
+        a = np.array([f[1:] for _, f in numbered], dtype=np.float64)  # ragged lines raise: slow path
+        if not fields_valid(names, a):
             raise ValueError
     except ValueError:
         _raise_first_bad_line(numbered, path)
@@ -128,7 +126,20 @@ def parse_label_lines(lines: list[str], path: str | Path, with_score: bool | Non
         raise KittiFormatError(path, "result file lines need a 16th field (score)")
     if with_score is False and n_fields == 16:
         raise KittiFormatError(path, "label lines have 15 fields; found a 16th (score)")
-    has_score = n_fields == 16
+    return labels_from_fields(names, a)
+
+
+def fields_valid(names: np.ndarray, a: np.ndarray) -> bool:
+    """The value rules of label/result lines on parsed fields ``a`` [N, 14 or 15] (all but the name):
+    finite, non-negative sizes except for DontCare, an integer ``occluded`` in label files (result files:
+    the devkit ignores it)."""
+    care = names != "DontCare"
+    int_occ = a.shape[1] == 15 or bool((a[:, 1] == np.round(a[:, 1])).all())
+    return bool(np.isfinite(a).all()) and int_occ and not (a[care][:, 7:10] < 0).any()
+
+
+def labels_from_fields(names: np.ndarray, a: np.ndarray) -> KittiLabels:
+    """Records from names and the parsed fields [N, 14] (labels) or [N, 15] (results: + score)."""
     return KittiLabels(
         name=names,
         truncated=a[:, 0],
@@ -138,7 +149,7 @@ def parse_label_lines(lines: list[str], path: str | Path, with_score: bool | Non
         dimensions=a[:, 7:10],
         location=a[:, 10:13],
         rotation_y=a[:, 13],
-        score=a[:, 14] if has_score else None,
+        score=a[:, 14] if a.shape[1] == 15 else None,
     )
 
 
@@ -175,15 +186,19 @@ def _raise_first_bad_line(numbered: list[tuple[int, list[str]]], path: str | Pat
 
 
 def read_label(path: str | Path, with_score: bool | None = None) -> KittiLabels:
-    """Read a ``label_2`` file (or a result file with scores). An empty file means no objects."""
+    """Read a ``label_2`` file (or a result file with scores). An empty file means no objects. Many files
+    at once: :func:`detector.data.kitti_batch.read_labels` (same values, same errors, faster)."""
     path = Path(path)
+    return parse_label_lines(read_label_text(path).splitlines(), path, with_score)
+
+
+def read_label_text(path: Path) -> str:
     try:
-        text = path.read_text()
+        return path.read_text()
     except FileNotFoundError:
         raise KittiFormatError(path, "label file not found") from None
     except UnicodeDecodeError:
         raise KittiFormatError(path, "not a text file") from None
-    return parse_label_lines(text.splitlines(), path, with_score)
 
 
 def format_label_lines(labels: KittiLabels) -> list[str]:

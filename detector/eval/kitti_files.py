@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from detector.data.kitti import KittiFormatError, KittiLabels, read_imageset, read_label, write_label
+from detector.data.kitti import KittiFormatError, KittiLabels, read_imageset, write_label
+from detector.data.kitti_batch import read_labels
 
 
 @dataclass
@@ -59,14 +60,10 @@ def load_eval_inputs(
     ids = read_imageset(split) if split is not None else sorted(labeled)
     if not ids:
         raise KittiFormatError(split if split is not None else gt_dir, "no frames to evaluate")
-    gts, dts, missing = [], [], []
-    for i in ids:
-        gts.append(read_label(gt_dir / f"{i}.txt", with_score=False))
-        if i in results:
-            dts.append(read_label(results_dir / f"{i}.txt", with_score=True))
-        else:
-            dts.append(KittiLabels.empty(with_score=True))
-            missing.append(i)
+    gts = read_labels([gt_dir / f"{i}.txt" for i in ids], with_score=False)
+    found = read_labels([results_dir / f"{i}.txt" for i in ids if i in results], with_score=True)[::-1]
+    dts = [found.pop() if i in results else KittiLabels.empty(with_score=True) for i in ids]
+    missing = [i for i in ids if i not in results]
     unused = sorted(results - set(ids))
     return EvalInputs(list(ids), gts, dts, missing, unused)
 
