@@ -35,7 +35,7 @@ def calib() -> Calibration:
 
 @pytest.fixture(scope="session")
 def tiny_root(tmp_path_factory) -> Path:
-    """Six simulated frames at a coarse azimuth step (4 train, 2 val), with road maps."""
+    """Six simulated frames at a coarse azimuth step (5 train, 1 val), with road maps."""
     from detector.sim import LidarSpec, generate_dataset
 
     root = tmp_path_factory.mktemp("sim") / "kitti"
