@@ -17,11 +17,14 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from detector.data.structures import Boxes3D, Frame
 from detector.errors import KittiFormatError
+
+if TYPE_CHECKING:  # structures imports torch: the label reader and the metric's CLI do without it
+    from detector.data.structures import Boxes3D, Frame
 
 CLASSES = ("Car", "Van", "Truck", "Pedestrian", "Person_sitting", "Cyclist", "Tram", "Misc", "DontCare")
 _CLASS_SET = frozenset(CLASSES)
@@ -279,6 +282,8 @@ def in_camera_fov(points: np.ndarray, calib: Calibration, image_size: tuple[int,
 
 def labels_to_boxes(labels: KittiLabels, calib: Calibration) -> Boxes3D:
     """The 3D boxes of all records in the LiDAR frame (callers drop DontCare first)."""
+    from detector.data.structures import Boxes3D
+
     return Boxes3D.from_camera(labels.location, labels.dimensions, labels.rotation_y, calib)
 
 
@@ -561,6 +566,8 @@ class KittiRoot:
 
     def read_frame(self, frame_id: str, road_map: bool = False) -> Frame:
         """Load a frame; raises KittiFormatError naming the bad or missing file."""
+        from detector.data.structures import Boxes3D, Frame
+
         points = read_points(self.path("velodyne", frame_id))
         calib = Calibration.from_file(self.path("calib", frame_id))
         labels = None
