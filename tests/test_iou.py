@@ -13,7 +13,6 @@ from detector.eval.iou import (
     bev_iou,
     box2d_overlap,
     camera_bev,
-    camera_iou3d_paired,
     iou3d,
     rect_corners,
 )
@@ -155,15 +154,21 @@ def test_degenerate_sizes():
 
 
 def test_camera_frame_matches_lidar_frame(calib):
-    """IoU of KITTI camera-frame boxes equals the IoU of the same boxes in the LiDAR frame."""
+    """The metric's 3D IoU of KITTI camera-frame records equals the IoU of the same boxes in the LiDAR
+    frame."""
+    from detector.data.kitti import KittiLabels
+    from detector.eval.overlap import Records, overlap_pairs
+
     rng = np.random.default_rng(4)
     n = 40
     loc = np.c_[rng.uniform(-5, 5, n), rng.uniform(1.4, 1.9, n), rng.uniform(5, 15, n)]
     dims = np.c_[rng.uniform(1.2, 2, n), rng.uniform(1.4, 2, n), rng.uniform(3, 5, n)]
     ry = rng.uniform(-math.pi, math.pi, n)
     lidar = Boxes3D.from_camera(loc, dims, ry, calib).tensor.double().numpy()
+    z = np.zeros(n)
+    R = Records.from_labels([KittiLabels(["Car"] * n, z, z, z, np.zeros((n, 4)), dims, loc, ry, z)], True)
     i, j = np.repeat(np.arange(n), n), np.tile(np.arange(n), n)
-    cam = camera_iou3d_paired(loc[i], dims[i], ry[i], loc[j], dims[j], ry[j]).reshape(n, n)
+    cam = overlap_pairs("3d", R, i, R, j).reshape(n, n)
     np.testing.assert_allclose(cam, iou3d(lidar, lidar), rtol=0, atol=1e-9)
     np.testing.assert_allclose(
         bev_iou(camera_bev(loc, dims, ry), camera_bev(loc, dims, ry)),
@@ -235,9 +240,6 @@ def test_3d_overlap_with_unequal_heights_and_bottoms(det_y, det_h, expected):
     i = np.zeros(1, np.int64)
     assert overlap_pairs("3d", det, i, gt, i)[0] == pytest.approx(expected, rel=1e-12, abs=1e-15)
     assert overlap_pairs("bev", det, i, gt, i)[0] == pytest.approx(1.0, rel=1e-12)
-    cam = camera_iou3d_paired(det.location, det.dimensions, det.rotation_y, gt.location, gt.dimensions,
-                              gt.rotation_y)
-    assert cam[0] == pytest.approx(expected, rel=1e-12, abs=1e-15)
     # Intersection over the detection's volume (the DontCare test): shared height / det height.
     shared = max(min(det_y, 1.6) - max(det_y - det_h, 0.1), 0.0)
     assert overlap_pairs("3d", det, i, gt, i, "a")[0] == pytest.approx(shared / det_h, rel=1e-12, abs=1e-15)

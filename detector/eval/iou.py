@@ -9,7 +9,7 @@ Three kinds of boxes:
   LiDAR boxes give them directly (``Boxes3D.bev()``, the x–y plane). KITTI camera-frame boxes live in
   the x–z plane with heading (cos ry, −sin ry), i.e. (x, z, l, w, −ry): :func:`camera_bev`.
 - **3D boxes** ``[N, 7]`` in the LiDAR frame = (x, y, z, l, w, h, yaw), (x, y, z) the box centre, z up
-  (``Boxes3D.tensor``). Camera-frame KITTI boxes: :func:`camera_iou3d`.
+  (``Boxes3D.tensor``). KITTI camera-frame records: the metric's :func:`detector.eval.overlap.overlap_pairs`.
 
 The intersection of two rotated rectangles is computed exactly by clipping one rectangle against the
 four half-planes of the other (Sutherland–Hodgman; points on a boundary count as inside) and taking
@@ -271,26 +271,3 @@ def camera_bev(location: np.ndarray, dimensions: np.ndarray, rotation_y: np.ndar
     dims = np.asarray(dimensions, dtype=np.float64).reshape(-1, 3)
     ry = np.asarray(rotation_y, dtype=np.float64).reshape(-1)
     return np.stack([loc[:, 0], loc[:, 2], dims[:, 2], dims[:, 1], -ry], axis=1)
-
-
-def camera_iou3d_paired(
-    loc_a: np.ndarray,
-    dims_a: np.ndarray,
-    ry_a: np.ndarray,
-    loc_b: np.ndarray,
-    dims_b: np.ndarray,
-    ry_b: np.ndarray,
-) -> np.ndarray:
-    """3D IoU of KITTI camera-frame boxes (bottom centre, (h, w, l), ry), paired → [P].
-
-    The camera's y axis points down: a box spans y in [y_bottom − h, y_bottom].
-    """
-    ra, rb = camera_bev(loc_a, dims_a, ry_a), camera_bev(loc_b, dims_b, ry_b)
-    inter = bev_intersection_paired(ra, rb)
-    top_a, top_b = loc_a[:, 1] - dims_a[:, 0], loc_b[:, 1] - dims_b[:, 0]
-    dy = np.minimum(loc_a[:, 1], loc_b[:, 1]) - np.maximum(top_a, top_b)
-    return _iou(
-        inter * np.maximum(dy, 0.0),
-        rect_area(ra) * (loc_a[:, 1] - top_a),
-        rect_area(rb) * (loc_b[:, 1] - top_b),
-    )
