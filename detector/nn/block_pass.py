@@ -11,6 +11,8 @@ gather and its one scatter. Its named pieces:
   ``k > 1`` convolution follows (they are the dense twin's zero padding);
 - :meth:`BlockPass.run` - the whole chain, pre- or post-activation, with the shortcut.
 
+It reads its chain through the :class:`Chain` protocol (no import of :mod:`detector.nn.chain`).
+
 BN slot ``j`` normalizes with ``known[j]`` when given, else with the moments of this pass's blocks. With
 ``collect``, a pass stops at the first chain slot whose batch moments are unknown and returns
 ``(None, moments)`` for it (and for the post-activation projection's BN when that one is unknown too):
@@ -19,13 +21,14 @@ that is how the chunked path (:mod:`detector.nn.chunked`) gathers exact statisti
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .geometry import ChainGeometry, LevelMasks, zero_pixels
+from .geometry import ChainGeometry, ConvSpec, LevelMasks, zero_pixels
 from .norm import (
     Moments,
     batch_norm_native,
@@ -38,10 +41,25 @@ from .norm import (
     uses_batch_stats,
 )
 
-if TYPE_CHECKING:
-    from .chain import SparseConvChain
+__all__ = ["BlockPass", "Chain"]
 
-__all__ = ["BlockPass"]
+
+class Chain(Protocol):
+    """What a pass reads of its chain (a :class:`~detector.nn.chain.SparseConvChain`)."""
+
+    name: str
+    convs: Sequence[nn.Conv2d]
+    bns: Sequence[nn.BatchNorm2d]
+    specs: tuple[ConvSpec, ...]
+    stride: int
+    preact: bool
+    shortcut: Literal["identity", "projection", "none"]
+    proj: nn.Conv2d | None
+    proj_bn: nn.BatchNorm2d | None
+    slot_levels: tuple[int, ...]
+
+    @property
+    def slots(self) -> list[nn.BatchNorm2d]: ...
 
 
 class BlockPass:
@@ -49,7 +67,7 @@ class BlockPass:
 
     def __init__(
         self,
-        chain: SparseConvChain,
+        chain: Chain,
         geo: ChainGeometry,
         masks: list[LevelMasks],
         known: list[Moments | None],

@@ -13,14 +13,12 @@ recompute) for bounded memory; with the default budget a typical batch fits in o
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from detector.ops import BlockParams, sparse_gather, sparse_scatter, sparse_scatter_
 
-from .block_pass import BlockPass
+from .block_pass import BlockPass, Chain
 from .geometry import ChainGeometry, LevelMasks
 from .norm import (
     Moments,
@@ -32,13 +30,10 @@ from .norm import (
     uses_batch_stats,
 )
 
-if TYPE_CHECKING:
-    from .chain import SparseConvChain
-
 __all__ = ["collect_targets", "run_chunked"]
 
 
-def collect_targets(chain: SparseConvChain, known: list[Moments | None]) -> list[int]:
+def collect_targets(chain: Chain, known: list[Moments | None]) -> list[int]:
     """The BN slots one statistics pass collects, in the order their moments are synchronized: the
     post-activation projection's BN if unknown, then the first unknown chain BN (what
     ``BlockPass(collect=True).run`` computes)."""
@@ -51,7 +46,7 @@ def collect_targets(chain: SparseConvChain, known: list[Moments | None]) -> list
 
 
 def _collect_chunk(
-    chain: SparseConvChain,
+    chain: Chain,
     x: torch.Tensor,
     ic: torch.Tensor,
     geo: ChainGeometry,
@@ -76,7 +71,7 @@ def _collect_chunk(
 
 
 def run_chunked(
-    chain: SparseConvChain,
+    chain: Chain,
     x: torch.Tensor,
     base: torch.Tensor,
     idx_chunks: list[torch.Tensor],

@@ -20,10 +20,10 @@ max-pooled by 2 (ceil mode) for the rest of the stage and the next stages. All s
 stage share one ``reduce_mask``.
 
 ``block_size`` (output tile per side) is one value for all stages or one per stage (stem first):
-an int, ``"dense"`` (that stage runs dense), or ``"auto"`` (a short timing sweep at first use picks the
-fastest of the tuner's candidates, dense included; cached per input shape and mask-density bucket; see
-:mod:`detector.nn.autotune`). A stage that runs dense gives the dense values on inactive tiles too;
-on active tiles every choice gives the same output.
+an int, ``"dense"`` (that stage runs dense), or ``"auto"`` (the execution plan picks dense or one of the
+planner's candidate tiles per batch from the shapes, the active blocks and a cost model: deterministic,
+the same on every DDP rank; see :mod:`detector.nn.plan`). A stage that runs dense gives the dense values
+on inactive tiles too; on active tiles every choice gives the same output.
 """
 
 from __future__ import annotations
@@ -34,12 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .autotune import DENSE, BlockSizeTuner, mask_density_bucket
 from .chain import ActiveBlocks, SparseConvChain
+from .plan import AUTO, DENSE, Planner, StageInput, check_setting, measure
 
-__all__ = ["SparseResidualUnit", "SparseStage", "SparseResNet", "AUTO", "downsample_mask"]
-
-AUTO = "auto"
+__all__ = ["SparseResidualUnit", "SparseStage", "SparseResNet", "AUTO", "DENSE", "downsample_mask"]
 
 
 class SparseResidualUnit(SparseConvChain):
@@ -152,7 +150,7 @@ class SparseResNet(nn.Module):
         tol: float = 0.5,
         memory_budget_mb: float = 1024.0,
         channels_last: bool = True,
-        tuner: BlockSizeTuner | None = None,
+        planner: Planner | None = None,
     ) -> None:
         super().__init__()
         n = len(stage_units)
@@ -168,15 +166,12 @@ class SparseResNet(nn.Module):
                 f"SparseResNet: block_size needs {n + 1} entries (stem, then each stage), got {len(sizes)}"
             )
         for b in sizes:
-            if not (b in (AUTO, DENSE) or (isinstance(b, int) and not isinstance(b, bool) and b >= 1)):
-                raise ValueError(
-                    f"SparseResNet: block_size entries must be ints >= 1, 'auto' or 'dense', got {b!r}"
-                )
+            check_setting(b, "SparseResNet: block_size entries")
         self.block_sizes: list[int | str] = sizes
         self.channels_last = channels_last
         self.tol = float(tol)
         self.memory_budget_mb = float(memory_budget_mb)
-        self.tuner = tuner if tuner is not None else BlockSizeTuner()
+        self.planner = planner if planner is not None else Planner()
         common = dict(tol=tol, memory_budget_mb=memory_budget_mb)
         first_tile = lambda b: b if isinstance(b, int) else 16  # noqa: E731  (auto/dense set at run time)
         stem = SparseConvChain(
@@ -215,37 +210,29 @@ class SparseResNet(nn.Module):
             strides.append(acc)
         self.strides = tuple(strides)
 
-    def _stage_mode(self, i: int, x: torch.Tensor, mask: torch.Tensor) -> int | str:
-        """Block size (int) or 'dense' for stage ``i`` (0 = stem) on this input; tunes when 'auto'."""
-        b = self.block_sizes[i]
-        if b != AUTO:
-            return b
-        stage: SparseStage = self.stages[i]
-        key = (
-            i,
-            tuple(x.shape),
-            x.dtype,
-            x.device.type,
-            mask_density_bucket(mask, self.tol, self.tuner.bucket),
-        )
+    @property
+    def stage_names(self) -> list[str]:
+        return ["stem"] + [f"stage{i}" for i in range(1, len(self.stages))]
 
-        def run_with(c: int | str):
-            def run() -> object:
-                if c != DENSE:
-                    stage.set_block_size(int(c))
-                return stage(x, mask, dense=c == DENSE)
+    def plan_inputs(self, x_shape: tuple[int, ...], mask: torch.Tensor,
+                    settings: list[int | str] | None = None) -> list[StageInput]:
+        """The plan inputs of every stage (:func:`detector.nn.plan.measure`) for an input of ``x_shape`` and
+        its ``mask``; the masks per stage are those :meth:`forward` passes (max-pooled after stride 2)."""
+        settings = self.block_sizes if settings is None else settings
+        N, (H, W) = x_shape[0], x_shape[-2:]
+        out = []
+        for name, stage, setting in zip(self.stage_names, self.stages, settings, strict=True):
+            units = list(stage.units)
+            rest = downsample_mask(mask) if units[0].stride == 2 else mask
+            out.append(measure(name, setting, units, (N, H, W), mask, rest, self.planner.candidates))
+            H, W = out[-1].rest_hw
+            mask = rest
+        return out
 
-            return run
-
-        was_training = stage.training
-        stage.train(False)  # timing must not touch BN running statistics
-        try:
-            choice = self.tuner.choose(key, {c: run_with(c) for c in self.tuner.candidates})
-        finally:
-            stage.train(was_training)
-        return choice
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
+                modes: list[int | str] | None = None) -> list[torch.Tensor]:
+        """``modes``: the plan's choice per stage (stem first), e.g. from a plan made for the whole
+        detector; None: the configured block sizes, 'auto' ones planned here."""
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             raise ValueError(
                 f"SparseResNet: x must be a [N, C, H, W] tensor, got {getattr(x, 'shape', type(x))}"
@@ -264,14 +251,16 @@ class SparseResNet(nn.Module):
             mask = mask.to(x.dtype)
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
+        if mask is not None and modes is None:
+            modes = list(self.block_sizes)
+            if AUTO in modes:
+                modes = list(self.planner.decide(self.plan_inputs(tuple(x.shape), mask), x.device, x.dtype,
+                                                 self.training).choices)
         feats = []
         for i, stage in enumerate(self.stages):
-            dense = mask is None
-            if mask is not None:
-                mode = self._stage_mode(i, x, mask)
-                dense = mode == DENSE
-                if not dense:
-                    stage.set_block_size(int(mode))
+            dense = mask is None or modes[i] == DENSE
+            if not dense:
+                stage.set_block_size(int(modes[i]))
             x, mask = stage(x, mask, dense=dense)
             if i > 0:
                 feats.append(x)

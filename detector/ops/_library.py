@@ -60,7 +60,7 @@ def _cuda_wanted() -> tuple[bool, str]:
 
 def _register_python_side() -> None:
     """Fake kernels and autograd formulas of the sbnet ops (called once, after the library loaded)."""
-    from .functional import memory_format_of, scatter_backward, tiles_of
+    from .formulas import memory_format_of, scatter_backward, tiles_of
 
     lib = torch.ops.sbnet
 

@@ -34,8 +34,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import reference
 from .blocks import BlockParams
+from .formulas import ScatterInPlace, memory_format_of
 
-__all__ = ["reduce_mask", "sparse_gather", "sparse_scatter", "sparse_scatter_", "memory_format_of"]
+__all__ = ["reduce_mask", "sparse_gather", "sparse_scatter", "sparse_scatter_"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _warned_devices: set[str] = set()
@@ -53,16 +54,6 @@ def _check_tensor(op: str, name: str, t: object, dims: int) -> torch.Tensor:
 def _check_float(op: str, name: str, t: torch.Tensor) -> None:
     if t.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{op}: {name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
-
-
-def memory_format_of(x: torch.Tensor) -> torch.memory_format | None:
-    """``torch.channels_last`` for a channels-last map, ``torch.contiguous_format`` for an NCHW-contiguous
-    one (also when it is both, e.g. one channel), None for any other stride pattern."""
-    if x.is_contiguous():
-        return torch.contiguous_format
-    if x.is_contiguous(memory_format=torch.channels_last):
-        return torch.channels_last
-    return None
 
 
 def _native(x: torch.Tensor) -> torch.Tensor:
@@ -313,59 +304,7 @@ def sparse_scatter_(
         raise RuntimeError(f"{op}: base is a leaf that requires grad and cannot be written in place")
     if _kernels_for(base.device):
         if grad:
-            return _ScatterInPlace.apply(blocks, indices, base, tuple(bp.obsize), bool(add), bool(relu))
+            return ScatterInPlace.apply(blocks, indices, base, tuple(bp.obsize), bool(add), bool(relu))
         torch.ops.sbnet.sparse_scatter_(blocks, indices, base, list(bp.obsize), [0, 0], bool(add), bool(relu))
         return base
     return reference.sparse_scatter_(blocks, indices, base, bp, bool(add), bool(relu))
-
-
-def tiles_of(out: torch.Tensor, indices: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
-    """The scatter output's values at the tiles, ``[K, C, th, tw]`` (what ``relu``'s backward needs)."""
-    with torch.no_grad():
-        return torch.ops.sbnet.sparse_gather(out, indices, list(tile), list(tile), [0, 0])
-
-
-def scatter_backward(
-    grad: torch.Tensor,
-    indices: torch.Tensor,
-    out_tiles: torch.Tensor | None,
-    tile: tuple[int, int],
-    add: bool,
-    relu: bool,
-    need_blocks: bool,
-    need_base: bool,
-    memory_format: torch.memory_format,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Gradients of a (copying or in-place) scatter w.r.t. ``blocks`` and ``base`` (None where not
-    needed). With ``add`` and no ``relu`` the base's gradient is ``grad`` itself (no copy)."""
-    g = grad.contiguous(memory_format=memory_format)
-    passthrough = add and not relu
-    gb, gbase = torch.ops.sbnet.sparse_scatter_backward(
-        g, indices, out_tiles, list(tile), list(tile), [0, 0], add, relu, need_blocks,
-        need_base and not passthrough,
-    )
-    if need_base and passthrough:
-        gbase = grad
-    return (gb if need_blocks else None), (gbase if need_base else None)
-
-
-class _ScatterInPlace(torch.autograd.Function):
-    """The in-place scatter under autograd: ``base`` is marked dirty (its history continues through this
-    node); backward is :func:`scatter_backward`."""
-
-    @staticmethod
-    def forward(ctx, blocks, indices, base, tile, add, relu):  # noqa: ANN001, ANN205 - autograd protocol
-        torch.ops.sbnet.sparse_scatter_(blocks, indices, base, list(tile), [0, 0], add, relu)
-        ctx.mark_dirty(base)
-        ctx.save_for_backward(indices, tiles_of(base, indices, tile) if relu else None)
-        ctx.args = (tile, add, relu, memory_format_of(base))
-        return base
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
-        indices, out_tiles = ctx.saved_tensors
-        tile, add, relu, fmt = ctx.args
-        gb, gbase = scatter_backward(
-            grad, indices, out_tiles, tile, add, relu, ctx.needs_input_grad[0], ctx.needs_input_grad[2], fmt
-        )
-        return gb, None, gbase, None, None, None

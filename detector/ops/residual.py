@@ -26,15 +26,8 @@ from __future__ import annotations
 import torch
 
 from .blocks import BlockParams
-from .functional import (
-    _kernels_for,
-    memory_format_of,
-    scatter_backward,
-    sparse_gather,
-    sparse_scatter,
-    sparse_scatter_,
-    tiles_of,
-)
+from .formulas import memory_format_of, scatter_backward, tiles_of
+from .functional import _kernels_for, sparse_gather, sparse_scatter, sparse_scatter_
 
 __all__ = ["ResidualBlocks"]
 

@@ -1,0 +1,246 @@
+"""The cost model of the execution plan: estimated time of a conv chain run dense or sparse.
+
+Estimates are sums of a few terms whose constants are properties of the machine, not of the network:
+
+- a dense chain on an ``N x H x W`` map: per convolution ``N Ho Wo Cin Cout k^2 * dense_mac``, plus two
+  elementwise passes (BN, ReLU) over its output ``* pass_``, the projection and residual add likewise,
+  plus ``dense_unit`` (fixed cost of a layer call);
+- a sparse chain on ``K`` active blocks of output tile ``T``: per convolution ``K e_out^2 Cin Cout k^2 *
+  block_mac(T)`` (``e`` the block extent at that level, halo included: the convolutions run on the halos
+  too, and small spatial sizes convolve less efficiently, hence one constant per tile), three passes over
+  each level's block pixels (BN, ReLU, zeroing outside the map), the gather and scatter of
+  ``K (e_in^2 Cin + T^2 Cout)`` elements ``* move``, plus ``sparse_unit`` (fixed cost of a sparse unit:
+  index reduction, level masks, bookkeeping) and the map it writes into: a zero map for a projection or
+  no shortcut, a copy of the input map for a stage's first identity unit (the later ones write in place).
+
+In training every per-element term is tripled (the backward convolves and moves twice as much); the
+fixed per-unit costs are measured forward + backward.
+
+The constants come from :func:`calibrate` - a short measurement (about a second) on this machine, device
+and dtype - cached in a JSON file keyed by machine, torch, threads, device, dtype and the calibration's
+shape set (:func:`load_or_calibrate`). A file written elsewhere (another machine, torch, shape set) or
+unreadable is recomputed with one warning. Given the file, the plan is a pure function of its inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .geometry import chain_geometry
+
+__all__ = ["CostModel", "calibrate", "load_or_calibrate", "cost_key", "default_cost_file", "CALIBRATION_SHAPES"]
+
+CALIBRATION_SHAPES = "v1: conv3x3 32->32 on 1x128x128 and on (128/T)^2 blocks of T+2 for T in 8,16,32; chain 8ch 16x16"
+TILES = (8, 16, 32)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per unit of work (see the module docstring); ``block_mac`` per calibrated tile size."""
+
+    dense_mac: float
+    block_mac: tuple[tuple[int, float], ...]
+    move: float
+    pass_: float
+    dense_unit: float
+    sparse_unit: float
+    dense_unit_train: float
+    sparse_unit_train: float
+
+    def __post_init__(self) -> None:
+        vals = [self.dense_mac, self.move, self.pass_, self.dense_unit, self.sparse_unit, self.dense_unit_train,
+                self.sparse_unit_train, *(v for _, v in self.block_mac)]
+        if not self.block_mac or not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in vals):
+            raise ValueError(f"CostModel: every constant must be a finite number >= 0, got {self}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostModel:
+        d = dict(d)
+        d["block_mac"] = tuple((int(t), float(v)) for t, v in d["block_mac"])
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "block_mac": [list(p) for p in self.block_mac]}
+
+    def mac_per_tile(self, tile: int) -> float:
+        """``block_mac`` of the calibrated tile nearest to ``tile`` (ties: the smaller tile)."""
+        return min(self.block_mac, key=lambda p: (abs(p[0] - tile), p[0]))[1]
+
+    # ------------------------------------------------------------------------------------ estimates
+    def dense(self, chain, N: int, H: int, W: int, training: bool) -> float:
+        """Estimated seconds of ``chain`` (a SparseConvChain) run dense on an ``N x H x W`` map."""
+        work, h, w = 0.0, H, W
+        cins = [chain.in_channels] + [c.out_channels for c in chain.convs[:-1]]
+        for spec, cin, conv in zip(chain.specs, cins, chain.convs, strict=True):
+            h = (h + 2 * spec.padding - spec.ksize) // spec.stride + 1
+            w = (w + 2 * spec.padding - spec.ksize) // spec.stride + 1
+            px = N * h * w
+            work += px * cin * conv.out_channels * spec.ksize**2 * self.dense_mac + 2 * px * conv.out_channels * self.pass_
+        px_out = N * h * w * chain.out_channels
+        if chain.shortcut == "projection":
+            work += px_out * chain.in_channels * self.dense_mac + px_out * self.pass_
+        if chain.shortcut != "none":
+            work += px_out * self.pass_
+        return (3 if training else 1) * work + (self.dense_unit_train if training else self.dense_unit)
+
+    def sparse(self, chain, N: int, H: int, W: int, tile: int, blocks: int, base: str, training: bool) -> float:
+        """Estimated seconds of ``chain`` run sparse on ``blocks`` active blocks of output ``tile``.
+
+        ``base``: the map the tiles are written into - "zeros" (a fresh zero map), "copy" (a copy of the
+        input map: a stage's first identity unit) or "inplace" (the stage's own intermediate)."""
+        geo = chain_geometry(H, W, chain.specs, tile)
+        lv = geo.levels
+        area = [lv_.extent[0] * lv_.extent[1] for lv_ in lv]
+        cins = [chain.in_channels] + [c.out_channels for c in chain.convs[:-1]]
+        per_block = 0.0
+        for i, (spec, cin, conv) in enumerate(zip(chain.specs, cins, chain.convs, strict=True)):
+            per_block += area[i + 1] * cin * conv.out_channels * spec.ksize**2 * self.mac_per_tile(tile)
+            per_block += 3 * area[i + 1] * conv.out_channels * self.pass_
+        if chain.shortcut == "projection":
+            per_block += area[-1] * chain.in_channels * chain.out_channels * self.mac_per_tile(tile)
+        per_block += (area[0] * chain.in_channels + tile * tile * chain.out_channels) * self.move
+        work = blocks * per_block
+        Ho, Wo = lv[-1].map_size
+        if base == "zeros":
+            work += N * Ho * Wo * chain.out_channels * self.pass_
+        elif base == "copy":
+            work += N * H * W * chain.in_channels * self.pass_
+        elif base != "inplace":
+            raise ValueError(f"CostModel.sparse: base must be zeros, copy or inplace, got {base!r}")
+        return (3 if training else 1) * work + (self.sparse_unit_train if training else self.sparse_unit)
+
+
+# ------------------------------------------------------------------------------------------ calibration
+def _fastest(runs: dict[str, object], rounds: int = 15) -> dict[str, float]:
+    """The fastest of ``rounds`` runs of each callable after two warm-ups, the callables interleaved round by
+    round (on a loaded machine every measurement then sees the same load; the minimum is what load distorts
+    least)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for fn in runs.values():
+        fn()
+        fn()
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def calibrate(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> CostModel:
+    """Measure the constants on this machine (the fastest of 15 interleaved runs each, a few seconds on a CPU)."""
+    from detector.ops import reduce_mask, sparse_gather, sparse_scatter
+
+    from .chain import SparseConvChain  # the real unit, for the fixed per-unit costs
+
+    dev = torch.device(device)
+    cl = torch.channels_last
+    g = torch.Generator().manual_seed(0)
+    C, S = 32, 128
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dev, dtype).contiguous(memory_format=cl if len(shape) == 4 else
+                                                                          torch.contiguous_format)
+
+    w, x, big = rand(C, C, 3, 3), rand(1, C, S, S), rand(1, C, 2 * S, 2 * S)
+    blocks = {t: rand((S // t) ** 2, C, t + 2, t + 2) for t in TILES}
+    unit = SparseConvChain(C, (C,), (3,), (1,), block_size=16).to(dev, dtype).eval()
+    geo = unit.geometry(S, S)
+    idx = reduce_mask(torch.ones(1, 1, S, S, device=dev), geo.block)
+    tiles = rand(idx.shape[0], C, 16, 16)
+    # fixed per-unit costs: a one-conv 8-channel chain on one 16 x 16 block, forward and forward + backward
+    small = SparseConvChain(8, (8,), (3,), (1,), block_size=16).to(dev, dtype)
+    xs, ones = rand(1, 8, 16, 16), torch.ones(1, 1, 16, 16, device=dev, dtype=dtype)
+
+    def infer(mask):
+        small.eval()
+        with torch.no_grad():
+            small(xs, mask=mask)
+
+    def train(mask):
+        small.train()
+        small(xs.clone().requires_grad_(True), mask=mask).sum().backward()
+
+    runs = {"dense": lambda: F.conv2d(x, w, padding=1), "relu": lambda: torch.relu(big),
+            "move": lambda: (sparse_gather(x, idx, geo.block), sparse_scatter(tiles, idx, x, geo.block, add=False)),
+            "dense_unit": lambda: infer(None), "sparse_unit": lambda: infer(ones),
+            "dense_unit_train": lambda: train(None), "sparse_unit_train": lambda: train(ones)}
+    for t, b in blocks.items():
+        runs[f"block{t}"] = lambda b=b: F.conv2d(b, w)
+    with torch.no_grad():
+        ms = _fastest({k: v for k, v in runs.items() if "train" not in k})
+    ms.update(_fastest({k: v for k, v in runs.items() if "train" in k}))
+    moved = idx.shape[0] * (geo.levels[0].extent[0] * geo.levels[0].extent[1] + 16 * 16) * C
+    return CostModel(
+        dense_mac=ms["dense"] / (S * S * C * C * 9),
+        block_mac=tuple((t, ms[f"block{t}"] / ((S // t) ** 2 * t * t * C * C * 9)) for t in TILES),
+        move=ms["move"] / moved, pass_=ms["relu"] / big.numel(), dense_unit=ms["dense_unit"],
+        sparse_unit=ms["sparse_unit"], dense_unit_train=ms["dense_unit_train"],
+        sparse_unit_train=ms["sparse_unit_train"])
+
+
+# ------------------------------------------------------------------------------------------------ cache
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def cost_key(device: str | torch.device, dtype: torch.dtype) -> dict:
+    """What a calibration depends on: machine, torch, threads, device, dtype, the shape set."""
+    dev = torch.device(device)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_model()
+    return {"machine": f"{platform.machine()} {name}, {os.cpu_count()} CPUs", "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "device": dev.type, "dtype": str(dtype).removeprefix("torch."),
+            "shapes": CALIBRATION_SHAPES}
+
+
+def default_cost_file(device: str | torch.device, dtype: torch.dtype) -> Path:
+    """``$DETECTOR_CACHE_DIR`` (default ``~/.cache/detector``) ``/plan_cost_<device>_<dtype>.json``."""
+    root = Path(os.environ.get("DETECTOR_CACHE_DIR", Path.home() / ".cache" / "detector"))
+    return root / f"plan_cost_{torch.device(device).type}_{str(dtype).removeprefix('torch.')}.json"
+
+
+def load_or_calibrate(path: str | Path | None, device: str | torch.device, dtype: torch.dtype) -> CostModel:
+    """The cached cost model at ``path`` (default :func:`default_cost_file`) if it was calibrated under this
+    :func:`cost_key`; else (missing: silently; foreign or unreadable: with one warning) calibrate and
+    rewrite the file (atomically; an unwritable place only warns)."""
+    path = Path(path) if path is not None else default_cost_file(device, dtype)
+    key = cost_key(device, dtype)
+    if path.is_file():
+        try:
+            saved = json.loads(path.read_text())
+            if saved.get("key") != key:
+                diff = sorted(k for k in key if saved.get("key", {}).get(k) != key[k]) if isinstance(
+                    saved.get("key"), dict) else ["key"]
+                raise ValueError(f"calibrated under another {', '.join(diff)}")
+            return CostModel.from_dict(saved["cost"])
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
+            warnings.warn(f"plan cost model {path}: {e}; recalibrating", RuntimeWarning, stacklevel=2)
+    cost = calibrate(device, dtype)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"key": key, "cost": cost.to_dict()}, indent=1))
+        os.replace(tmp, path)
+    except OSError as e:
+        warnings.warn(f"plan cost model: cannot write {path} ({e}); it will be measured again next time",
+                      RuntimeWarning, stacklevel=2)
+    return cost

@@ -1,0 +1,224 @@
+"""The execution plan: for every sparse stage a block size or dense, decided deterministically.
+
+A *stage* is a run of conv chains that share a block size and a mask (the backbone's stem and stages, the
+neck's smoothing convolution at each level, the head's tower). Its setting is an int (that tile), ``"dense"``
+or ``"auto"``. For ``auto`` the plan takes the cheapest of dense and the candidate tiles under the
+:class:`~detector.nn.cost.CostModel`, given
+
+- the shapes (batch, map, channels, kernels, strides of every chain),
+- the active blocks: for each candidate tile the number of blocks ``reduce_mask`` activates on the stage's
+  mask (first unit at its input resolution, the others at the stage's output resolution),
+- training or inference (fixed costs measured forward, or forward + backward).
+
+It is a pure function of those inputs (:func:`choose`): the same batch gives the same plan, so training can
+use it and a resumed run replays the same plans. Under DDP in training the inputs are summed over the ranks
+(one all-reduce of the counts) and rank 0's decision is broadcast, so every rank runs every stage the same
+way (a stage dense on one rank and sparse on another would pair SyncBatchNorm's all_gather with the sparse
+statistics' all_reduce). Ties go to dense, then to the smaller tile.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from detector.ops import reduce_mask
+
+from .cost import CostModel, load_or_calibrate
+from .geometry import chain_geometry
+
+__all__ = ["DENSE", "AUTO", "CANDIDATES", "StageInput", "Plan", "Planner", "measure", "choose", "check_setting"]
+
+DENSE = "dense"
+AUTO = "auto"
+CANDIDATES = (8, 16, 32)
+log = logging.getLogger(__name__)
+
+
+def check_setting(value: object, what: str) -> int | str:
+    """An int >= 1, 'dense' or 'auto' (else ValueError naming ``what``)."""
+    if value in (AUTO, DENSE) or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ValueError(f"{what} must be an int >= 1, 'auto' or 'dense', got {value!r}")
+
+
+@dataclass(frozen=True)
+class StageInput:
+    """What the plan of one stage depends on. ``units``: its chains (first, then the rest, which share a
+    geometry); ``shape``: (N, H, W) of the stage input; ``rest_hw``: the others' input map; ``counts``:
+    (tile, active blocks of the first unit, of each other unit) per tile considered."""
+
+    name: str
+    setting: int | str
+    units: tuple
+    shape: tuple[int, int, int]
+    rest_hw: tuple[int, int]
+    counts: tuple[tuple[int, int, int], ...]
+
+    def with_totals(self, n: int, counts: Sequence[tuple[int, int, int]]) -> StageInput:
+        return StageInput(self.name, self.setting, self.units, (n, *self.shape[1:]), self.rest_hw, tuple(counts))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Per stage: ``choices[i]`` (a tile or 'dense') and the estimated milliseconds of each option."""
+
+    names: tuple[str, ...]
+    choices: tuple[int | str, ...]
+    estimates_ms: tuple[tuple[tuple[int | str, float], ...], ...]
+
+    def choice(self, name: str) -> int | str:
+        return self.choices[self.names.index(name)]
+
+    def describe(self) -> str:
+        """One line per stage: the choice and every option's estimate."""
+        lines = []
+        for n, c, est in zip(self.names, self.choices, self.estimates_ms, strict=True):
+            opts = ", ".join(f"{k}: {v:.2f}" for k, v in est)
+            lines.append(f"  {n:<12} {c!s:>5}   estimated ms: {opts}")
+        return "\n".join(lines)
+
+    def as_scalars(self) -> dict[str, float]:
+        """``plan/<stage>`` = the tile, 0 for dense (TensorBoard scalars)."""
+        return {f"plan/{n}": float(0 if c == DENSE else c) for n, c in zip(self.names, self.choices, strict=True)}
+
+
+def measure(name: str, setting: int | str, units: Sequence, x_shape: Sequence[int], mask_first: torch.Tensor | None,
+            mask_rest: torch.Tensor | None, candidates: Sequence[int]) -> StageInput:
+    """The plan input of one stage: active blocks per candidate tile (only the set tile for an int
+    setting; none for dense) on the stage's masks. ``units[0]`` sees ``mask_first`` at its input
+    resolution, ``units[1:]`` ``mask_rest`` at the first unit's output resolution."""
+    N, H, W = int(x_shape[0]), int(x_shape[-2]), int(x_shape[-1])
+    first = units[0]
+    tiles = list(candidates) if setting == AUTO else [] if setting == DENSE else [int(setting)]
+    rest_hw = chain_geometry(H, W, first.specs, 16).levels[-1].map_size
+    counts = []
+    for t in tiles:
+        geo = chain_geometry(H, W, first.specs, t)
+        k1 = int(reduce_mask(mask_first, geo.block, tol=first.tol, avgpool=first.avgpool).shape[0])
+        kr = 0
+        if len(units) > 1:
+            geo_r = chain_geometry(*rest_hw, units[1].specs, t)
+            kr = int(reduce_mask(mask_rest, geo_r.block, tol=units[1].tol, avgpool=units[1].avgpool).shape[0])
+        counts.append((t, k1, kr))
+    return StageInput(name, setting, tuple(units), (N, H, W), tuple(rest_hw), tuple(counts))
+
+
+def stage_cost(inp: StageInput, option: int | str, cost: CostModel, training: bool) -> float:
+    """Estimated seconds of the stage run dense (``option == 'dense'``) or sparse with that tile."""
+    (N, H, W), (Hr, Wr) = inp.shape, inp.rest_hw
+    first, rest = inp.units[0], inp.units[1:]
+    if option == DENSE:
+        return cost.dense(first, N, H, W, training) + sum(cost.dense(u, N, Hr, Wr, training) for u in rest)
+    _, k1, kr = next(c for c in inp.counts if c[0] == option)
+    base = "copy" if first.shortcut == "identity" else "zeros"
+    return cost.sparse(first, N, H, W, option, k1, base, training) + sum(
+        cost.sparse(u, N, Hr, Wr, option, kr, "inplace", training) for u in rest)
+
+
+def choose(inputs: Sequence[StageInput], cost: CostModel, training: bool) -> Plan:
+    """THE decision (pure): per stage its set value, or for 'auto' the option of least estimated cost
+    (dense first, then the tiles in increasing order; a later option must be strictly cheaper)."""
+    choices, estimates = [], []
+    for inp in inputs:
+        options = [DENSE] + sorted(c[0] for c in inp.counts)
+        est = [(o, stage_cost(inp, o, cost, training)) for o in options]
+        if inp.setting == AUTO:
+            best = est[0]
+            for o in est[1:]:
+                if o[1] < best[1]:
+                    best = o
+            choices.append(best[0])
+        else:
+            choices.append(inp.setting)
+        estimates.append(tuple((o, 1e3 * s) for o, s in est))
+    return Plan(tuple(i.name for i in inputs), tuple(choices), tuple(estimates))
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class Planner:
+    """Decides plans (:func:`choose`) with a cost model that is given (``cost``: a CostModel or its dict),
+    or loaded from / calibrated into ``cost_file`` (default: :func:`detector.nn.cost.default_cost_file`) at
+    first use per device and dtype. ``sync``: under DDP in training, sum the inputs over the ranks and
+    broadcast rank 0's plan. Every distinct plan is logged once (:meth:`take_new` hands it to loggers)."""
+
+    def __init__(self, candidates: Sequence[int] = CANDIDATES, cost: CostModel | dict | None = None,
+                 cost_file: str | None = None, sync: bool = True) -> None:
+        cands = tuple(candidates)
+        if not cands or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in cands):
+            raise ValueError(f"Planner: candidates must be ints >= 1, got {list(candidates)!r}")
+        self.candidates = tuple(sorted(set(cands)))
+        self.cost = CostModel.from_dict(dict(cost)) if cost is not None and not isinstance(cost, CostModel) else cost
+        self.cost_file = cost_file
+        self.sync = sync
+        self._models: dict[tuple[str, torch.dtype], CostModel] = {}
+        self._memo: dict[tuple, Plan] = {}
+        self._seen: set[tuple] = set()
+        self._new: list[Plan] = []
+        self.last: Plan | None = None
+
+    def cost_model(self, device: torch.device, dtype: torch.dtype) -> CostModel:
+        if self.cost is not None:
+            return self.cost
+        key = (torch.device(device).type, dtype)
+        if key not in self._models:
+            self._models[key] = load_or_calibrate(self.cost_file, device, dtype)
+        return self._models[key]
+
+    def decide(self, inputs: Sequence[StageInput], device: torch.device, dtype: torch.dtype, training: bool) -> Plan:
+        shared = self.sync and training and _distributed()
+        if shared:
+            inputs = _sum_over_ranks(inputs, device)
+        key = (training, tuple((i.name, i.setting, id(i.units[0]), i.shape, i.rest_hw, i.counts) for i in inputs))
+        plan = self._memo.get(key)
+        if plan is None:
+            plan = choose(inputs, self.cost_model(device, dtype), training)
+            if len(self._memo) > 1024:
+                self._memo.clear()
+            self._memo[key] = plan
+        if shared:
+            plan = _from_rank0(plan, device)
+        if plan.choices not in self._seen:
+            self._seen.add(plan.choices)
+            self._new.append(plan)
+            if not _distributed() or dist.get_rank() == 0:
+                print(f"execution plan ({'training' if training else 'inference'}; batch of {inputs[0].shape[0]}):\n"
+                      + plan.describe(), flush=True)
+        self.last = plan
+        return plan
+
+    def take_new(self) -> list[Plan]:
+        """Plans first seen since the last call (for a logger's text entries)."""
+        new, self._new = self._new, []
+        return new
+
+
+def _sum_over_ranks(inputs: Sequence[StageInput], device: torch.device) -> list[StageInput]:
+    dev = torch.device(device) if dist.get_backend() != "gloo" else torch.device("cpu")
+    flat = [i.shape[0] for i in inputs] + [k for i in inputs for c in i.counts for k in c[1:]]
+    t = torch.tensor(flat, dtype=torch.int64, device=dev)
+    dist.all_reduce(t)
+    vals = t.tolist()
+    n, pos, out = vals[: len(inputs)], len(inputs), []
+    for j, i in enumerate(inputs):
+        counts = []
+        for c in i.counts:
+            counts.append((c[0], vals[pos], vals[pos + 1]))
+            pos += 2
+        out.append(i.with_totals(n[j], counts))
+    return out
+
+
+def _from_rank0(plan: Plan, device: torch.device) -> Plan:
+    dev = torch.device(device) if dist.get_backend() != "gloo" else torch.device("cpu")
+    t = torch.tensor([0 if c == DENSE else int(c) for c in plan.choices], dtype=torch.int64, device=dev)
+    dist.broadcast(t, src=0)
+    choices = tuple(DENSE if v == 0 else int(v) for v in t.tolist())
+    return Plan(plan.names, choices, plan.estimates_ms)
