@@ -184,14 +184,13 @@ class SparseConvChain(nn.Module):
 
     def geometry(self, H: int, W: int) -> ChainGeometry:
         """The chain's block geometry on an ``H x W`` input (cached)."""
-        key = (H, W, pair(self.block_size, "block_size"))
-        geo = self._geometry_cache.get(key)
-        if geo is None:
-            try:
-                geo = chain_geometry(H, W, self.specs, key[2])
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"{self.name}: {exc}") from None
-            self._geometry_cache[key] = geo
+        try:
+            key = (H, W, pair(self.block_size, "block_size"))
+            geo = self._geometry_cache.get(key)
+            if geo is None:
+                geo = self._geometry_cache[key] = chain_geometry(H, W, self.specs, key[2])
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{self.name}: {exc}") from None
         return geo
 
     def _check_x(self, x: object) -> torch.Tensor:
