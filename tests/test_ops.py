@@ -211,6 +211,10 @@ def test_k_zero_everywhere(kernels):
     assert torch.equal(x.grad, torch.zeros_like(x)) and torch.equal(base.grad, torch.ones_like(base))
     with torch.no_grad():
         assert torch.equal(ops.sparse_scatter_(blocks[:, :, 1:-1, 1:-1], idx, base.clone(), bp), base)
+    # the reference (the fallback) agrees
+    assert reference.reduce_mask(torch.zeros(2, 1, 9, 9), bp, 0.5).shape == (0, 3)
+    assert reference.sparse_gather(x, idx, bp).shape == (0, 3, 5, 5)
+    assert torch.equal(reference.sparse_scatter(blocks[:, :, 1:-1, 1:-1].detach(), idx, base.detach(), bp), base)
 
 
 # ------------------------------------------------------------------------------ autograd checks

@@ -170,30 +170,3 @@ def test_sparse_conv_equals_dense_conv_on_active_tiles(impl, geom):
         assert (y[~covered] == 0).all()
         if frac == 1.0:
             assert covered.all()
-
-
-def test_k_zero(impl):
-    bp = calc_block_params(9, 9, bsize=5, ksize=3)
-    idx = torch.zeros((0, 3), dtype=torch.int32)
-    x = torch.randn(2, 3, 9, 9)
-    assert impl.sparse_gather(x, idx, bp).shape == (0, 3, 5, 5)
-    base = torch.randn(2, 3, 9, 9)
-    blocks = torch.zeros((0, 3, bp.obsize_h, bp.obsize_w))
-    assert torch.equal(impl.sparse_scatter(blocks, idx, base, bp, True), base)
-    assert impl.reduce_mask(torch.zeros(2, 1, 9, 9), bp, 0.5, False).shape == (0, 3)
-
-
-def test_public_gradcheck_float64():
-    bp = calc_block_params(9, 8, bsize=(5, 4), ksize=3, stride=1, padding=1)
-    gen = torch.Generator().manual_seed(4)
-    idx = random_indices(2, bp, 0.6, gen)
-    x = torch.randn((2, 2, 9, 8), generator=gen, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda x: ops.sparse_gather(x, idx, bp), (x,))
-    blocks = torch.randn((idx.shape[0], 2, bp.obsize_h, bp.obsize_w), generator=gen, dtype=torch.float64,
-                         requires_grad=True)
-    base = torch.randn((2, 2, bp.out_h, bp.out_w), generator=gen, dtype=torch.float64, requires_grad=True)
-    for add in (True, False):
-        def scatter(b, s, add=add):
-            return ops.sparse_scatter(b, idx, s, bp, add)
-
-        assert torch.autograd.gradcheck(scatter, (blocks, base))
