@@ -44,10 +44,17 @@ def root_cause(e: BaseException) -> BaseException:
 
 
 def one_line(e: BaseException) -> str:
-    """``error: <message>`` for a user error: the root cause's message, on one line."""
-    cause = root_cause(e)
-    msg = str(cause) if not isinstance(e, InstantiationException) or cause is not e else str(e)
-    return "error: " + " ".join(msg.split())
+    """``error: <message>`` for a user error, on one line: the root cause's message; for Hydra's own errors
+    (a bad override, a missing config) every message of the chain, without Hydra's search path."""
+    if isinstance(e, HydraException) and not isinstance(e, InstantiationException):
+        parts, cur = [], e
+        while cur is not None:
+            text = " ".join(str(cur).split("Config search path:")[0].split())
+            if text and text not in parts:
+                parts.append(text)
+            cur = cur.__cause__
+        return "error: " + ": ".join(parts)
+    return "error: " + " ".join(str(root_cause(e)).split())
 
 
 def run_cleanly(fn: Callable[..., Any], *args, **kwargs) -> Any:

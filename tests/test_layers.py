@@ -38,12 +38,6 @@ __doc__ += "\n".join(f"    {i}. {', '.join(layer)}" for i, layer in enumerate(LA
 KNOWN_CIRCLES: dict[frozenset[str], str] = {
     frozenset({"detector.data.kitti", "detector.data.structures"}):
         "removed by phase 2 (geometry floor): Boxes3D knows KITTI's Calibration",
-    # The two below are the engine issue's (detector/ops, detector/nn), listed so that this test guards the
-    # rest of the house meanwhile.
-    frozenset({"detector.ops._library", "detector.ops.functional"}):
-        "_library registers fake/autograd formulas with functional's helpers; functional loads _library lazily",
-    frozenset({"detector.nn.block_pass", "detector.nn.chain", "detector.nn.chunked"}):
-        "block_pass and chunked name chain's SparseConvChain (TYPE_CHECKING); chain imports both",
 }
 KNOWN_UPWARD: dict[tuple[str, str], str] = {
     ("detector.models.nms", "detector.eval.iou"): "removed by phase 2 (geometry floor): NMS uses the metric's IoU",

@@ -104,6 +104,36 @@ def test_resample_road_map_matches_brute_force():
     assert not got[:, :4].any() and not got[:, -6:].any()
 
 
+@pytest.mark.parametrize("op", ["flip", "rotate", "scale"])
+def test_resample_road_map_of_an_augmented_map_matches_brute_force(op):
+    """After a global flip/rotation/scaling (training augmentation) the raster is not resampled: each BEV
+    cell centre is mapped back into the original raster. Brute force: undo the transform on the centre,
+    then find the original raster cell by scanning its rows and columns."""
+    from detector.data.augment import flip_road_map, rotate_road_map, scale_road_map
+
+    rng = np.random.default_rng(4)
+    # a pitch and origin on which no cell centre falls exactly on a raster edge (no ties to round either way)
+    road = RoadMap(rng.random((41, 29)) < 0.5, x_min=-3.1127, y_min=-5.3071, resolution=0.2513)
+    a, s = 0.4, 1.25
+    aug, undo = {
+        "flip": (flip_road_map(road), lambda x, y: (x, -y)),
+        "rotate": (rotate_road_map(road, a),
+                   lambda x, y: (math.cos(a) * x + math.sin(a) * y, -math.sin(a) * x + math.cos(a) * y)),
+        "scale": (scale_road_map(road, s), lambda x, y: (x / s, y / s)),
+    }[op]
+    got = resample_road_map(aug, GRID).numpy()
+    ref = np.zeros((GRID.H, GRID.W), dtype=bool)
+    for r in range(GRID.H):
+        for c in range(GRID.W):
+            cx, cy = GRID.cell_center(torch.tensor(r), torch.tensor(c), dtype=torch.float64)
+            x, y = undo(float(cx), float(cy))
+            rc = _brute_axis(x, road.x_min, road.resolution, road.raster.shape[1])
+            rr = _brute_axis(y, road.y_min, road.resolution, road.raster.shape[0])
+            ref[r, c] = rr is not None and rc is not None and road.raster[rr, rc]
+    assert 0.2 < ref.mean() < 0.8
+    np.testing.assert_array_equal(got, ref)
+
+
 def test_road_map_mask_dilation_radius_and_sparsity():
     raster = np.zeros((GRID.H, GRID.W), bool)
     raster[30, 20] = True  # same grid as the BEV: one drivable cell
