@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from detector.cli import parse_args
-from detector.data.kitti import KittiFormatError
+from detector.errors import KittiFormatError
 from detector.eval.kitti_files import load_eval_inputs
 from detector.eval.kitti_metric import evaluate
 from detector.eval.protocol import CLASSES, DISTANCE_RANGES
