@@ -198,3 +198,45 @@ def test_batched_reader_equals_the_file_by_file_reader(folders, tmp_path):
         read_labels(paths, with_score=True)
     paths[2].write_text("\n".join(good[:3]) + "\n\n   \n" + "\n".join(good[3:]) + "\n")  # blank lines are fine
     assert len(read_labels(paths, with_score=True)[2]) == len(good)
+
+
+def test_batched_numbers_are_read_exactly_as_float(tmp_path):
+    """Random decimal spellings (0–9 places, repr of doubles, signs, leading zeros, exponents, 15 and more
+    digits, -0.00): the batched reader gives float()'s double, bit for bit, without falling back."""
+    import random
+
+    import detector.data.kitti_batch as kb
+
+    rng = random.Random(0)
+    odd = ["1e-7", "-1e7", "+5", ".5", "5.", "-0.00", "00012.3400", "123456789012345", "1234567890123456",
+           "0.000000000000001", "0.0000000000000001", "-10000000"]
+
+    def num():
+        r = rng.random()
+        if r < 0.5:
+            return f"{rng.uniform(-2000, 2000):.{rng.randint(0, 9)}f}"
+        if r < 0.7:
+            return repr(rng.uniform(-1, 1))
+        return rng.choice(odd) if r < 0.8 else str(rng.randint(-99999, 99999))
+
+    paths = []
+    for f in range(300):
+        lines = []
+        for _ in range(rng.randint(0, 8)):
+            v = [num() for _ in range(15)]
+            v[7:10] = [str(abs(float(x))) for x in v[7:10]]
+            lines.append(" ".join([rng.choice(["Car", "Van", "DontCare", "Person_sitting"]), *v]))
+        p = tmp_path / f"{f:06d}.txt"
+        p.write_text("\n".join(lines) + ("\n" if rng.random() < 0.5 else ""))
+        paths.append(p)
+    assert kb._parse([p.read_bytes() for p in paths], 16) is not None  # the batch path, no fallback
+    for a, p in zip(kb.read_labels(paths, True), paths, strict=True):
+        b = read_label(p, True)
+        assert a.name.tolist() == b.name.tolist()
+        for f in ("truncated", "occluded", "alpha", "bbox", "dimensions", "location", "rotation_y", "score"):
+            x, y = getattr(a, f), getattr(b, f)
+            assert np.array_equal(x, y) and np.array_equal(np.signbit(x), np.signbit(y)), (p.name, f)
+    # Bytes the batch does not take (a lone carriage return, non-ASCII) go through the file-by-file reader.
+    paths[0].write_bytes(b"Car 0 0 0 0 0 10 50 1.5 1.6 4 0 1.6 20 0 0.5\rCar 0 0 0 0 0 10 50 1.5 1.6 4 0 1.6 20 0 0.5")
+    assert kb._parse([paths[0].read_bytes()], 16) is None
+    assert len(kb.read_labels(paths[:1], True)[0]) == 2
