@@ -12,6 +12,9 @@
 // cuda/launch.cuh's CudaExec launches a grid-stride loop (SBNET_KERNEL_LOOP) on the current stream;
 // the emulator's EmuExec runs the same loop serially on the host. Every functor F below calls exactly
 // one body from elements.h, so the CUDA build and the emulated build differ only in Exec.
+//
+// The plans' C++ signatures must equal the CPU kernels' (the dispatcher checks it when the library loads):
+// const at::Tensor& for inputs, at::Tensor& for the Tensor(a!) arguments of the in-place ops.
 #pragma once
 
 #include <ATen/Dispatch.h>

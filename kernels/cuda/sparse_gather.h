@@ -97,7 +97,7 @@ at::Tensor sparse_gather_backward(const at::Tensor& grad_blocks, const at::Tenso
 }
 
 template <class Exec>
-void sparse_gather_backward_(const at::Tensor& grad_blocks, const at::Tensor& indices, const at::Tensor& grad_x,
+void sparse_gather_backward_(const at::Tensor& grad_blocks, const at::Tensor& indices, at::Tensor& grad_x,
                              c10::IntArrayRef bstride, c10::IntArrayRef boffset) {
   const char* op = "sbnet::sparse_gather_backward_";
   check_dim4(op, "grad_x", grad_x, "[N, C, H, W]");

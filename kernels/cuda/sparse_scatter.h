@@ -89,7 +89,7 @@ at::Tensor sparse_scatter(const at::Tensor& blocks, const at::Tensor& indices, c
 }
 
 template <class Exec>
-void sparse_scatter_(const at::Tensor& blocks, const at::Tensor& indices, const at::Tensor& base,
+void sparse_scatter_(const at::Tensor& blocks, const at::Tensor& indices, at::Tensor& base,
                      c10::IntArrayRef bstride, c10::IntArrayRef boffset, bool add, bool relu) {
   const char* op = "sbnet::sparse_scatter_";
   const Layout m = check_scatter(op, blocks, indices, base);
