@@ -273,3 +273,45 @@ def test_bad_input_names_the_op_and_argument(emu):
     for call, message in cases:
         with pytest.raises(RuntimeError, match=message):
             call()
+
+
+@pytest.mark.parametrize("geom", GEOMETRIES, ids=GEOM_IDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_emulated_ops_equal_the_cpu_kernels(emu, geom, layout):
+    """Two implementations of one semantics (row-copying CPU kernels, element-wise CUDA bodies): equal bit
+    for bit on random float32 data, every op."""
+    cpu = _cpu_kernel_adjoint()
+    if cpu is None:
+        pytest.skip(f"CPU kernels not built with the new schema: {_library.unavailable_reason('cpu')}")
+    sb = torch.ops.sbnet
+    bp, idx = _setup(geom)
+    gen = torch.Generator().manual_seed(14)
+
+    def rand(*shape):
+        return torch.randn(shape, generator=gen).contiguous(memory_format=_fmt(layout))
+
+    x, g = rand(N, C, bp.in_h, bp.in_w), rand(idx.shape[0], C, *bp.bsize)
+    geo = (bp.bsize, bp.bstride, bp.boffset)
+    assert torch.equal(emu.sparse_gather(x, idx, *geo), sb.sparse_gather(x, idx, *geo))
+    acc_emu, acc_cpu = x.clone(), x.clone()
+    emu.sparse_gather_backward_(g, idx, acc_emu, *geo[1:])
+    sb.sparse_gather_backward_(g, idx, acc_cpu, *geo[1:])
+    assert torch.equal(acc_emu, acc_cpu)
+    tiles, base = rand(idx.shape[0], C, *bp.obsize), rand(N, C, bp.out_h, bp.out_w)
+    for add in (False, True):
+        for relu in (False, True):
+            sc = (bp.obsize, [0, 0], add, relu)
+            out = emu.sparse_scatter(tiles, idx, base, *sc)
+            assert torch.equal(out, sb.sparse_scatter(tiles, idx, base, *sc))
+            b_emu, b_cpu = base.clone(), base.clone()
+            emu.sparse_scatter_(tiles, idx, b_emu, *sc)
+            sb.sparse_scatter_(tiles, idx, b_cpu, *sc)
+            assert torch.equal(b_emu, b_cpu)
+            out_tiles = emu.sparse_gather(out, idx, bp.obsize, bp.obsize, [0, 0])
+            args = (base, idx, out_tiles, bp.obsize, bp.obsize, [0, 0], add, relu, True, True)
+            for a, b in zip(emu.sparse_scatter_backward(*args), sb.sparse_scatter_backward(*args), strict=True):
+                assert torch.equal(a, b)
+    mask = torch.rand((N, 1, bp.in_h, bp.in_w), generator=gen, dtype=torch.float64)
+    for avgpool in (False, True):
+        args = (mask, bp.bsize, bp.bstride, bp.boffset, bp.bcount, 0.5, avgpool)
+        assert torch.equal(emu.reduce_mask(*args), sb.reduce_mask(*args))
