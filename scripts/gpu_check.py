@@ -35,7 +35,8 @@ the device tool's ``carry``):
 
     python3 -m pip wheel --no-deps -w build/wheels hydra-core==1.3.8 omegaconf==2.3.1 \\
         antlr4-python3-runtime==4.9.3    # pure Python; antlr4 4.9.3 is an sdist only, `pip wheel` builds it
-    .venv/bin/python scripts/make_dataset.py out=data/gpu_check frames=40    # the simulator needs open3d: here
+    .venv/bin/python scripts/make_dataset.py out=data/gpu_check frames=25    # the simulator needs open3d: here
+                                 # ~1.9 MB a frame: 25 frames (5 val, 20 train) = ~48 MB of the 64 MiB carried
 
 then, with the device tool: ``run(command="python3 scripts/gpu_check.py wheels=build/wheels
 data=data/gpu_check out=$OUT", carry=["build/wheels", "data/gpu_check"], timeout_s=600)``, and copy
