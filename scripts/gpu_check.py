@@ -28,12 +28,12 @@ status 0 when every step passed.
 ``--dry-run``, and any run on a machine without a CUDA GPU (or without torch), checks the CPU-side
 preparation (scripts and sources exist, wheels folder readable and holding wheels, out writable, each
 command's key=value arguments known to its script) and prints the plan; exit status 0 unless a check
-failed. tests/test_gpu_check.py runs it in the default suite.
+failed. tests/test_ops_cuda_gpu_check.py runs it in the default suite.
 
 Preparing the inputs here (the GPU machine has no internet; both folders are git-ignored, so name them in
 the device tool's ``carry``):
 
-    python3 -m pip wheel --no-deps -w build/wheels hydra-core==1.3.8 omegaconf==2.3.1 \\
+    .venv/bin/python -m pip wheel --no-deps -w build/wheels hydra-core==1.3.8 omegaconf==2.3.1 \\
         antlr4-python3-runtime==4.9.3    # pure Python; antlr4 4.9.3 is an sdist only, `pip wheel` builds it
     .venv/bin/python scripts/make_dataset.py out=data/gpu_check frames=25    # the simulator needs open3d: here
                                  # ~1.9 MB a frame: 25 frames (5 val, 20 train) = ~48 MB of the 64 MiB carried
