@@ -264,3 +264,19 @@ def test_detector_forward_backward_on_gpu(device, exact_cuda):
         batch.mask = ones
         sparse = model(batch)
     torch.testing.assert_close(sparse.heatmap, dense.heatmap, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=GPU)], indirect=True)
+def test_cuda_bad_input_names_the_op_and_argument(device):
+    bp = calc_block_params(*GEOMETRIES[0])
+    idx = _indices(bp, 2, 0.7, 15)
+    x = torch.zeros((2, 3, bp.in_h, bp.in_w), device=device)
+    geo = (bp.bsize, bp.bstride, bp.boffset)
+    with pytest.raises(RuntimeError, match="sbnet::sparse_gather: indices are on cpu but the data is on cuda"):
+        torch.ops.sbnet.sparse_gather(x, idx, *geo)
+    with pytest.raises(RuntimeError, match="sbnet::sparse_gather: x must be contiguous in NCHW or channels-last"):
+        torch.ops.sbnet.sparse_gather(x.transpose(2, 3), idx.to(device), *geo)
+    tiles = torch.zeros((idx.shape[0], 3, *bp.obsize), device=device)
+    with pytest.raises(RuntimeError, match="sbnet::sparse_scatter_: blocks must be channels-last like its map"):
+        torch.ops.sbnet.sparse_scatter_(tiles, idx.to(device), x.contiguous(memory_format=torch.channels_last),
+                                        bp.obsize, [0, 0], True, False)
