@@ -16,7 +16,7 @@ in the summary and the later steps still run while budget is left:
                TORCH_CUDA_ARCH_LIST = the device's capability (e.g. 9.0);
 4. ``pytest``  ``pytest -m gpu tests`` (junit XML to out/pytest_gpu.xml);
 5. ``bench_sparse`` and ``bench_model`` with ``device=cuda dtype=float32|bfloat16``: bench_sparse at 50 %
-   and 90 % sparsity; bench_model on the dataset ``data`` with masks ``none,predicted`` (road_map and ground
+   and 90 % sparsity (no spconv); bench_model on the dataset ``data`` with masks ``none,predicted`` (road_map and ground
    masks need open3d), skipped when ``data`` holds no dataset.
 
 Output in ``out`` (default build/gpu_check/out), at most 8 files so that all of it comes back from the
@@ -123,7 +123,7 @@ def plan(args: dict) -> list[dict]:
     for dtype in DTYPES:
         base = ["device=cuda", f"dtype={dtype}"]
         steps.append({"name": f"bench_sparse[{dtype}]", "bench": "sparse", "dtype": dtype,
-                      "cmd": [py, "scripts/bench_sparse.py", *base, "sparsity=0.5,0.9",
+                      "cmd": [py, "scripts/bench_sparse.py", *base, "sparsity=0.5,0.9", "spconv=false",
                               f"out={work / f'sparse_gpu_{dtype}.json'}", f"md={work / f'sparse_gpu_{dtype}.md'}"]})
         steps.append({"name": f"bench_model[{dtype}]", "bench": "model", "dtype": dtype,
                       "skip": None if has_dataset(args["data"]) else f"no dataset at data={args['data']}",
