@@ -3,7 +3,8 @@
 ```
 ROOT/ImageSets/{train,val,test}.txt         frame ids, one per line
 ROOT/training/velodyne/%06d.bin             float32 x, y, z, reflectance (LiDAR frame)
-ROOT/training/label_2/%06d.txt              15 fields per object (16 with a score in result files)
+ROOT/training/label_2/%06d.txt              15 fields per object (16 with a score in result files):
+                                            detector.data.kitti_labels (re-exported here)
 ROOT/training/calib/%06d.txt                P0..P3, R0_rect, Tr_velo_to_cam, Tr_imu_to_velo
 ROOT/training/road_map/%06d.png + grid.json drivable area raster (our simulator only)
 ROOT/testing/...                            same, without label_2
@@ -14,262 +15,34 @@ Every reader checks its input and raises :class:`KittiFormatError` naming the fi
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from detector.data.kitti_labels import (  # noqa: F401  (the label files: re-exported here)
+    CLASSES,
+    DIFFICULTY_LEVELS,
+    IMAGE_SIZE,
+    KittiLabels,
+    as_written,
+    boxes_to_labels,
+    difficulty,
+    fields_valid,
+    format_label_lines,
+    labels_from_fields,
+    labels_to_boxes,
+    observation_angle,
+    parse_label_lines,
+    read_label,
+    read_label_text,
+    write_label,
+)
 from detector.errors import KittiFormatError
 
 if TYPE_CHECKING:  # structures imports torch: the label reader and the metric's CLI do without it
-    from detector.data.structures import Boxes3D, Frame
-
-CLASSES = ("Car", "Van", "Truck", "Pedestrian", "Person_sitting", "Cyclist", "Tram", "Misc", "DontCare")
-_CLASS_SET = frozenset(CLASSES)
-IMAGE_SIZE = (1242, 375)  # (width, height) of KITTI's left colour camera, used where no image is at hand
-
-
-# --------------------------------------------------------------------------------------------------
-# Labels
-# --------------------------------------------------------------------------------------------------
-_NUMERIC_FIELDS = ("truncated", "occluded", "alpha", "bbox", "dimensions", "location", "rotation_y", "score")
-
-
-@dataclass
-class KittiLabels:
-    """The objects of one label (or result) file, as arrays of length N (KITTI's field order): THE record
-    type of the project. The reader, the result writer and the metric (whose
-    :class:`~detector.eval.overlap.Records` is a KittiLabels of many frames) all use it.
-
-    name: object type; truncated: 0..1; occluded: 0 (visible) .. 3 (unknown), -1 for DontCare;
-    alpha: observation angle; bbox: [N, 4] left, top, right, bottom (pixels); dimensions: [N, 3]
-    h, w, l (m); location: [N, 3] bottom centre in the rectified camera frame (m); rotation_y: about
-    the camera's y axis; score: detection confidence (result files only, else None).
-
-    Every numeric field is float64 (converted on construction), as the KITTI devkit reads every field as
-    a double: the values of a file reach the metric unchanged (no float32 step, no decimal recovery).
-    """
-
-    name: np.ndarray
-    truncated: np.ndarray
-    occluded: np.ndarray
-    alpha: np.ndarray
-    bbox: np.ndarray
-    dimensions: np.ndarray
-    location: np.ndarray
-    rotation_y: np.ndarray
-    score: np.ndarray | None = None
-
-    def __post_init__(self):
-        self.name = np.asarray(self.name, dtype=str)
-        for key in _NUMERIC_FIELDS:
-            v = getattr(self, key)
-            if v is not None:
-                setattr(self, key, np.asarray(v, dtype=np.float64))
-
-    def __len__(self) -> int:
-        return len(self.name)
-
-    @classmethod
-    def empty(cls, with_score: bool = False) -> KittiLabels:
-        z = np.zeros(0)
-        return cls(
-            np.zeros(0, dtype="<U16"),
-            z,
-            z,
-            z,
-            np.zeros((0, 4)),
-            np.zeros((0, 3)),
-            np.zeros((0, 3)),
-            z,
-            z if with_score else None,
-        )
-
-    def select(self, idx: np.ndarray) -> KittiLabels:
-        """The subset given by a boolean mask or index array."""
-        return KittiLabels(
-            self.name[idx],
-            self.truncated[idx],
-            self.occluded[idx],
-            self.alpha[idx],
-            self.bbox[idx],
-            self.dimensions[idx],
-            self.location[idx],
-            self.rotation_y[idx],
-            None if self.score is None else self.score[idx],
-        )
-
-
-def parse_label_lines(lines: list[str], path: str | Path, with_score: bool | None = None) -> KittiLabels:
-    """Parse label lines. ``with_score``: True requires the 16th field, False forbids it, None allows
-    either (all lines must agree). Every number is read as float64 (as the devkit's ``%lf``); NaN or
-    infinite values, non-numeric fields, a wrong field count, negative sizes (except DontCare) and, in
-    label files, a non-integer ``occluded`` are errors naming the file and line. Vectorized; on invalid
-    input the first offending line is named."""
-    numbered = [(i, f) for i, f in enumerate(map(str.split, lines), start=1) if f]
-    if not numbered:
-        return KittiLabels.empty(with_score=bool(with_score))
-    n_fields = len(numbered[0][1])
-    try:
-        if n_fields not in (15, 16):
-            raise ValueError
-        name_list = [f[0] for _, f in numbered]
-        if not set(name_list) <= _CLASS_SET:
-            raise ValueError
-        names = np.array(name_list, dtype="<U16")
-        a = np.array([f[1:] for _, f in numbered], dtype=np.float64)  # ragged lines raise: slow path
-        if not fields_valid(names, a):
-            raise ValueError
-    except ValueError:
-        _raise_first_bad_line(numbered, path)
-        raise
-    if with_score is True and n_fields == 15:
-        raise KittiFormatError(path, "result file lines need a 16th field (score)")
-    if with_score is False and n_fields == 16:
-        raise KittiFormatError(path, "label lines have 15 fields; found a 16th (score)")
-    return labels_from_fields(names, a)
-
-
-def fields_valid(names: np.ndarray, a: np.ndarray) -> bool:
-    """The value rules of label/result lines on parsed fields ``a`` [N, 14 or 15] (all but the name):
-    finite, non-negative sizes except for DontCare, an integer ``occluded`` in label files (result files:
-    the devkit ignores it)."""
-    care = names != "DontCare"
-    int_occ = a.shape[1] == 15 or bool((a[:, 1] == np.round(a[:, 1])).all())
-    return bool(np.isfinite(a).all()) and int_occ and not (a[care][:, 7:10] < 0).any()
-
-
-def labels_from_fields(names: np.ndarray, a: np.ndarray) -> KittiLabels:
-    """Records from names and the parsed fields [N, 14] (labels) or [N, 15] (results: + score)."""
-    return KittiLabels(
-        name=names,
-        truncated=a[:, 0],
-        occluded=a[:, 1],
-        alpha=a[:, 2],
-        bbox=a[:, 3:7],
-        dimensions=a[:, 7:10],
-        location=a[:, 10:13],
-        rotation_y=a[:, 13],
-        score=a[:, 14] if a.shape[1] == 15 else None,
-    )
-
-
-_FIELD_NAMES = ("truncated", "occluded", "alpha", "left", "top", "right", "bottom", "height", "width", "length",
-                "x", "y", "z", "rotation_y", "score")
-
-
-def _raise_first_bad_line(numbered: list[tuple[int, list[str]]], path: str | Path) -> None:
-    """The slow path of :func:`parse_label_lines`: find the first invalid line and raise for it."""
-    n_fields = None
-    for i, f in numbered:
-        s = " ".join(f)
-        if len(f) not in (15, 16):
-            raise KittiFormatError(path, f"expected 15 fields (16 with a score), got {len(f)}: {s!r}", i)
-        if n_fields is None:
-            n_fields = len(f)
-        elif len(f) != n_fields:
-            raise KittiFormatError(path, f"{len(f)} fields where earlier lines have {n_fields}", i)
-        if f[0] not in CLASSES:
-            raise KittiFormatError(path, f"unknown object type {f[0]!r} (expected one of {', '.join(CLASSES)})", i)
-        for k, v in enumerate(f[1:], start=2):
-            try:
-                float(v)
-            except ValueError:
-                field = _FIELD_NAMES[k - 2] if k - 2 < len(_FIELD_NAMES) else "score"
-                raise KittiFormatError(path, f"non-numeric {field} (field {k}) {v!r} in {s!r}", i) from None
-        vals = [float(v) for v in f[1:]]
-        if not all(math.isfinite(v) for v in vals):
-            raise KittiFormatError(path, f"NaN or infinite value in {s!r}", i)
-        if len(f) == 15 and vals[1] != int(vals[1]):
-            raise KittiFormatError(path, f"occluded must be an integer, got {f[2]!r}", i)
-        if f[0] != "DontCare" and min(vals[7:10]) < 0:
-            raise KittiFormatError(path, f"negative box size (h, w, l) = {tuple(vals[7:10])}", i)
-
-
-def read_label(path: str | Path, with_score: bool | None = None) -> KittiLabels:
-    """Read a ``label_2`` file (or a result file with scores). An empty file means no objects. Many files
-    at once: :func:`detector.data.kitti_batch.read_labels` (same values, same errors, faster)."""
-    path = Path(path)
-    return parse_label_lines(read_label_text(path).splitlines(), path, with_score)
-
-
-def read_label_text(path: Path) -> str:
-    try:
-        return path.read_text()
-    except FileNotFoundError:
-        raise KittiFormatError(path, "label file not found") from None
-    except UnicodeDecodeError:
-        raise KittiFormatError(path, "not a text file") from None
-
-
-def format_label_lines(labels: KittiLabels) -> list[str]:
-    """KITTI text lines: 2 decimals as in the official files; the score as the shortest decimal that reads
-    back as the same float64 (``repr``), so distinct scores stay distinct in result files."""
-    out = []
-    for i in range(len(labels)):
-        b, d, l = labels.bbox[i], labels.dimensions[i], labels.location[i]
-        s = (
-            f"{labels.name[i]} {labels.truncated[i]:.2f} {int(labels.occluded[i])} {labels.alpha[i]:.2f} "
-            f"{b[0]:.2f} {b[1]:.2f} {b[2]:.2f} {b[3]:.2f} {d[0]:.2f} {d[1]:.2f} {d[2]:.2f} "
-            f"{l[0]:.2f} {l[1]:.2f} {l[2]:.2f} {labels.rotation_y[i]:.2f}"
-        )
-        if labels.score is not None:
-            s += f" {float(labels.score[i])!r}"
-        out.append(s)
-    return out
-
-
-def as_written(labels: KittiLabels, where: str = "<records>") -> KittiLabels:
-    """The records exactly as a file written from them reads back (the writer's 2 decimals, the score's
-    shortest decimal): what the metric scores when it must agree with the files. ``where`` names the
-    records in an error (e.g. NaN in a box)."""
-    return parse_label_lines(format_label_lines(labels), where, with_score=labels.score is not None)
-
-
-def write_label(path: str | Path, labels: KittiLabels) -> None:
-    """Write a label or result file (a frame with no objects gives an empty file)."""
-    lines = format_label_lines(labels)
-    Path(path).write_text("".join(s + "\n" for s in lines))
-
-
-def observation_angle(location: np.ndarray, rotation_y: np.ndarray) -> np.ndarray:
-    """KITTI's alpha: rotation_y minus the viewing ray's angle, in [-pi, pi)."""
-    ray = np.arctan2(location[:, 0], location[:, 2])
-    return (rotation_y - ray + np.pi) % (2 * np.pi) - np.pi
-
-
-def boxes_to_labels(
-    boxes: Boxes3D,
-    names: np.ndarray,
-    calib: Calibration,
-    scores: np.ndarray | None = None,
-    image_size: tuple[int, int] = IMAGE_SIZE,
-    truncated: np.ndarray | None = None,
-    occluded: np.ndarray | None = None,
-) -> KittiLabels:
-    """LiDAR-frame boxes → KITTI label/result records: camera-frame geometry, alpha, and the 2D box of
-    the projected 3D box clipped to the image. Boxes entirely outside the image keep a zero 2D box.
-    float32 scores (a network's output) become the shortest decimal of their float32 value."""
-    n = len(boxes)
-    loc, dims, ry = boxes.to_camera(calib)
-    bbox, _ = boxes.project_to_image(calib, image_size)
-    if scores is not None:
-        scores = np.asarray(scores).reshape(n)
-        if scores.dtype == np.float32:
-            scores = np.array([float(np.format_float_positional(v, unique=True)) for v in scores])
-    return KittiLabels(
-        name=np.asarray(names, dtype="<U16").reshape(n),
-        truncated=np.zeros(n) if truncated is None else truncated,
-        occluded=np.zeros(n) if occluded is None else occluded,
-        alpha=observation_angle(loc, ry),
-        bbox=bbox,
-        dimensions=dims,
-        location=loc,
-        rotation_y=ry,
-        score=scores,
-    )
+    from detector.data.structures import Frame
 
 
 def in_camera_fov(points: np.ndarray, calib: Calibration, image_size: tuple[int, int] = IMAGE_SIZE) -> np.ndarray:
@@ -278,13 +51,6 @@ def in_camera_fov(points: np.ndarray, calib: Calibration, image_size: tuple[int,
     uv, depth = calib.lidar_to_image(points[:, :3])
     w, h = image_size
     return (depth > 0) & (uv[:, 0] >= 0) & (uv[:, 0] < w) & (uv[:, 1] >= 0) & (uv[:, 1] < h)
-
-
-def labels_to_boxes(labels: KittiLabels, calib: Calibration) -> Boxes3D:
-    """The 3D boxes of all records in the LiDAR frame (callers drop DontCare first)."""
-    from detector.data.structures import Boxes3D
-
-    return Boxes3D.from_camera(labels.location, labels.dimensions, labels.rotation_y, calib)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -586,20 +352,3 @@ class KittiRoot:
                 )
             road = read_road_map(self.path("road_map", frame_id))
         return Frame(frame_id, points, calib, boxes, names, labels, road)
-
-
-# KITTI's difficulty levels: (2D box height must EXCEED this (px), max occlusion level, max truncation).
-# The one definition: detector.eval.protocol builds its levels from it.
-DIFFICULTY_LEVELS = {"easy": (40.0, 0, 0.15), "moderate": (25.0, 1, 0.30), "hard": (25.0, 2, 0.50)}
-
-
-def difficulty(labels: KittiLabels) -> np.ndarray:
-    """Easiest KITTI level of each object: 0 easy, 1 moderate, 2 hard, -1 none (levels are cumulative:
-    an easy object also counts for moderate and hard). As in the devkit, a box of exactly the minimum
-    height (40.00 px for easy) is below the level."""
-    height = labels.bbox[:, 3] - labels.bbox[:, 1]
-    out = np.full(len(labels), -1, dtype=np.int8)
-    for lvl, (min_h, max_occ, max_trunc) in reversed(list(enumerate(DIFFICULTY_LEVELS.values()))):
-        ok = (height > min_h) & (labels.occluded <= max_occ) & (labels.truncated <= max_trunc)
-        out[ok] = lvl
-    return out

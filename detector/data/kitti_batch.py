@@ -7,7 +7,7 @@ m / 10^k with m < 2^53 and 10^k exact, so one IEEE division gives the correctly 
 value ``float()`` (and the devkit's ``%lf``) reads; other spellings (``1e-7``, ``nan``, long digit
 strings) go through ``float()`` one by one. Any file that breaks a rule (a line with another field count,
 an unknown class, a non-numeric or non-finite value, a negative size, non-ASCII bytes, lone carriage
-returns) sends the files through :func:`detector.data.kitti.read_label`, which raises the one error naming
+returns) sends the files through :func:`detector.data.kitti_labels.read_label`, which raises the one error naming
 the file and line. Values and errors are those of ``read_label``.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from detector.data.kitti import (
+from detector.data.kitti_labels import (
     CLASSES,
     KittiFormatError,
     KittiLabels,
