@@ -40,7 +40,9 @@ def build_grid(bev_cfg: DictConfig) -> BevGrid:
 def build_model(model_cfg: DictConfig, mask_cfg: DictConfig, grid: BevGrid) -> BevDetector:
     block = model_cfg.block_size
     sparse = bool(model_cfg.sparse)
-    backbone = instantiate(model_cfg.backbone, in_channels=grid.C, block_size=block if sparse else "dense")
+    planner = instantiate(model_cfg.plan) if sparse and model_cfg.get("plan") is not None else None
+    backbone = instantiate(model_cfg.backbone, in_channels=grid.C, block_size=block if sparse else "dense",
+                           planner=planner)
     coder = instantiate(model_cfg.coder, classes=list(model_cfg.classes))
     mask_net = None
     if sparse and mask_cfg.get("net") is not None:
@@ -106,8 +108,8 @@ def validate_config(cfg: DictConfig) -> None:
     if not (bsz in ("auto", "dense") or (isinstance(bsz, int) and bsz >= 1) or OmegaConf.is_list(bsz)):
         raise ConfigError(f"model.block_size must be an int >= 1, auto, dense or a list, got {bsz!r}")
     hbs = cfg.model.get("head_block_size", 16)
-    if not (isinstance(hbs, int) and not isinstance(hbs, bool) and hbs >= 1):
-        raise ConfigError(f"model.head_block_size must be an int >= 1, got {hbs!r}")
+    if not (hbs in ("auto", "dense") or (isinstance(hbs, int) and not isinstance(hbs, bool) and hbs >= 1)):
+        raise ConfigError(f"model.head_block_size must be an int >= 1, auto or dense, got {hbs!r}")
     lr = cfg.optimizer.lr
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr <= 0:
         raise ConfigError(f"optimizer.lr must be a positive number, got {lr!r}")

@@ -1,15 +1,15 @@
-"""SparseResNet: dense twin equality, mask wiring across stages, block_size auto/dense, empty masks."""
+"""SparseResNet: dense twin equality, mask wiring across stages, block_size auto (the plan)/dense, empty masks."""
 
 from __future__ import annotations
 
 import copy
-import itertools
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from detector.nn.autotune import DENSE, BlockSizeTuner
+from detector.nn.cost import CostModel
+from detector.nn.plan import DENSE, Planner
 from detector.nn.resnet import SparseResNet
 
 ATOL = 1e-9
@@ -94,48 +94,31 @@ def test_block_size_dense_stage_equals_dense():
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
-class FakeTimer:
-    """Runs each candidate once (so it must work) and reports preset times, cycling over candidates."""
-
-    def __init__(self, times):
-        self.times = itertools.cycle(times)
-        self.calls = 0
-
-    def __call__(self, run, reps):
-        run()
-        self.calls += 1
-        return next(self.times)
+def _cost(unit_s: float) -> CostModel:
+    """Every per-element constant 1 ns, blocks as fast as maps; ``unit_s`` fixed seconds per sparse unit."""
+    return CostModel(dense_mac=1e-9, block_mac=((4, 1e-9), (8, 1e-9)), move=1e-9, pass_=1e-9, dense_unit=0.0,
+                     sparse_unit=unit_s, dense_unit_train=0.0, sparse_unit_train=unit_s)
 
 
-@pytest.mark.parametrize("times, expected", [((3.0, 1.0, 2.0, 5.0), 16), ((3.0, 2.0, 4.0, 1.0), DENSE)])
-def test_auto_block_size_choice_cache_and_no_side_effects(times, expected):
-    timer = FakeTimer(times)
-    tuner = BlockSizeTuner(candidates=(8, 16, 32, DENSE), reps=1, timer=timer)
-    net = make_net(block_size="auto", tuner=tuner).train()
+@pytest.mark.parametrize("unit_s, sparse", [(0.0, True), (1.0, False)], ids=["free-units", "costly-units"])
+def test_auto_block_size_follows_the_plan_and_leaves_no_trace(unit_s, sparse):
+    """Without fixed costs a sparse tile beats dense on a sparse mask; at 1 s per sparse unit dense wins
+    everywhere. Either way the output on active tiles is the dense twin's, and planning touches no BN."""
+    planner = Planner(candidates=(4, 8), cost=_cost(unit_s))
+    net = make_net(block_size="auto", planner=planner).train()
     twin = copy.deepcopy(net)
     x = torch.randn(N, CIN, H, W, dtype=torch.float64)
-    ones = torch.ones(N, 1, H, W)
-    fs = net(x, ones)
-    assert timer.calls == 3 * 4  # stem + 2 stages, 4 candidates each
-    assert [r.choice for r in tuner.records.values()] == [expected] * 3
+    mask = torch.zeros(N, 1, H, W, dtype=torch.float64)
+    mask[:, :, 2:5, 3:6] = 1
+    net.eval()(x, mask)
+    choices = planner.last.choices
+    assert len(choices) == 3
+    assert all(c in (4, 8) for c in choices) if sparse else all(c == DENSE for c in choices)
+    fs = net.train()(x, torch.ones(N, 1, H, W))
     for a, b in zip(fs, twin(x), strict=True):  # any choice equals dense on an all-ones mask
         torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
-    for (n, b), bd in zip(net.named_buffers(), twin.buffers(), strict=True):  # timing left BN alone
+    for (n, b), bd in zip(net.named_buffers(), twin.buffers(), strict=True):  # the same BN updates, no more
         torch.testing.assert_close(b, bd, atol=ATOL, rtol=0, msg=n)
-    net(x, ones)
-    assert timer.calls == 12  # cached per shape and density bucket
-    net(x, (torch.rand(N, 1, H, W) > 0.5).double())  # another density bucket: tuned again
-    assert timer.calls == 24
-
-
-def test_real_timer_picks_a_candidate():
-    tuner = BlockSizeTuner(candidates=(4, DENSE), reps=1)
-    net = make_net(block_size="auto", tuner=tuner).eval()
-    net(torch.randn(N, CIN, H, W, dtype=torch.float64), torch.ones(N, 1, H, W))
-    assert len(tuner.records) == 3
-    for rec in tuner.records.values():
-        assert rec.choice in (4, DENSE) and set(rec.times_ms) == {4, DENSE}
-        assert all(t > 0 for t in rec.times_ms.values())
 
 
 def test_empty_mask_gives_zero_features():

@@ -29,6 +29,7 @@ from detector.models.losses import LossTerms, detection_loss, mask_loss
 from detector.models.mask_net import MaskNet
 from detector.models.targets import BoxCoder
 from detector.nn.chain import SparseConvChain
+from detector.nn.plan import AUTO, DENSE, Plan, check_setting, measure
 from detector.nn.resnet import SparseResNet, downsample_mask
 
 
@@ -96,6 +97,7 @@ class DetectorOutput:
     mask_logits: torch.Tensor | None = None  # MaskNet output at 1/d resolution
     sparsity: float = 0.0  # fraction of the input grid outside the mask
     times: dict[str, float] = field(default_factory=dict)  # seconds per stage of the forward
+    plan: Plan | None = None  # the execution plan decided for this batch (block_size / head_block_size auto)
 
 
 class BevDetector(nn.Module):
@@ -113,7 +115,7 @@ class BevDetector(nn.Module):
         mask_loss_kind: str = "focal",
         mask_loss_weight: float = 1.0,
         use_data_mask: bool = True,
-        head_block_size: int = 16,
+        head_block_size: int | str = 16,
     ):
         super().__init__()
         if train_mask_source not in ("gt", "predicted", "union"):
@@ -124,7 +126,9 @@ class BevDetector(nn.Module):
         self.out_grid = grid.downsampled(out_stride)
         self.coder = coder
         self.backbone = backbone
-        sparse_args = dict(block_size=head_block_size, tol=backbone.tol, memory_budget_mb=backbone.memory_budget_mb)
+        self.head_block_size = check_setting(head_block_size, "head_block_size")
+        tile = head_block_size if isinstance(head_block_size, int) else 16  # auto / dense: set per batch
+        sparse_args = dict(block_size=tile, tol=backbone.tol, memory_budget_mb=backbone.memory_budget_mb)
         self.neck = TopDownNeck(backbone.out_channels, backbone.strides, out_stride, neck_channels, **sparse_args)
         self.head = DetectionHead(neck_channels, coder.num_classes, head_channels, **sparse_args)
         self.mask_net = mask_net
@@ -165,16 +169,46 @@ class BevDetector(nn.Module):
         elif self.use_data_mask and batch.mask is not None:
             mask = batch.mask.to(bev)
         t = self._tick(times, "mask", t)
-        feats = self.backbone(bev, mask)
-        t = self._tick(times, "backbone", t)
+        plan = None
         if mask is None:
+            feats = self.backbone(bev, mask)
+            t = self._tick(times, "backbone", t)
             heat, reg = self.head(self.neck(feats))
         else:
             level_masks = masks_at_strides(mask, self.neck.strides)
-            heat, reg = self.head(self.neck(feats, level_masks), level_masks[0])
+            modes, plan = self.execution_modes(tuple(bev.shape), mask, level_masks)
+            t = self._tick(times, "plan", t)
+            feats = self.backbone(bev, mask, modes=modes[: len(self.backbone.stages)])
+            t = self._tick(times, "backbone", t)
+            neck_modes, head_mode = modes[len(self.backbone.stages): -1], modes[-1]
+            for chain, m in zip(self.neck.smooth, neck_modes, strict=True):
+                if m != DENSE:
+                    chain.block_size = int(m)
+            if head_mode != DENSE:
+                self.head.tower.block_size = int(head_mode)
+            neck_masks = [None if m == DENSE else lm for m, lm in zip(neck_modes, level_masks, strict=True)]
+            heat, reg = self.head(self.neck(feats, neck_masks), None if head_mode == DENSE else level_masks[0])
         self._tick(times, "head", t)
         sparsity = 0.0 if mask is None else float(1.0 - mask.mean())
-        return DetectorOutput(heat, reg, mask, mask_logits, sparsity, times)
+        return DetectorOutput(heat, reg, mask, mask_logits, sparsity, times, plan)
+
+    def execution_modes(self, x_shape: tuple[int, ...], mask: torch.Tensor, level_masks: Sequence[torch.Tensor]
+                        ) -> tuple[list[int | str], Plan | None]:
+        """Tile or dense for every sparse stage: the backbone's stages, the neck's levels, the head's tower
+        (in that order). With an ``auto`` setting, one plan for all of them (:mod:`detector.nn.plan`)."""
+        bb, hbs = self.backbone, self.head_block_size
+        fixed = list(bb.block_sizes) + [hbs] * (len(self.neck.smooth) + 1)
+        if AUTO not in fixed:
+            return fixed, None
+        inputs = bb.plan_inputs(x_shape, mask)
+        N, cands = x_shape[0], bb.planner.candidates
+        for j, chain in enumerate(self.neck.smooth):
+            hw = inputs[self.neck.use[j] + 1].rest_hw
+            inputs.append(measure(f"neck_s{self.neck.strides[j]}", hbs, [chain], (N, *hw), level_masks[j], None, cands))
+        hw = inputs[len(bb.stages)].shape[1:]
+        inputs.append(measure("head", hbs, [self.head.tower], (N, *hw), level_masks[0], None, cands))
+        plan = bb.planner.decide(inputs, mask.device, mask.dtype, self.training)
+        return list(plan.choices), plan
 
     # --- training -----------------------------------------------------------------------------------
     def loss(self, out: DetectorOutput, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -85,7 +85,7 @@ class CostModel:
             h = (h + 2 * spec.padding - spec.ksize) // spec.stride + 1
             w = (w + 2 * spec.padding - spec.ksize) // spec.stride + 1
             px = N * h * w
-            work += px * cin * conv.out_channels * spec.ksize**2 * self.dense_mac + 2 * px * conv.out_channels * self.pass_
+            work += px * conv.out_channels * (cin * spec.ksize**2 * self.dense_mac + 2 * self.pass_)
         px_out = N * h * w * chain.out_channels
         if chain.shortcut == "projection":
             work += px_out * chain.in_channels * self.dense_mac + px_out * self.pass_
@@ -121,7 +121,7 @@ class CostModel:
 
 
 # ------------------------------------------------------------------------------------------ calibration
-def _fastest(runs: dict[str, object], rounds: int = 15) -> dict[str, float]:
+def _fastest(runs: dict[str, object], rounds: int = 25) -> dict[str, float]:
     """The fastest of ``rounds`` runs of each callable after two warm-ups, the callables interleaved round by
     round (on a loaded machine every measurement then sees the same load; the minimum is what load distorts
     least)."""
@@ -141,7 +141,7 @@ def _fastest(runs: dict[str, object], rounds: int = 15) -> dict[str, float]:
 
 
 def calibrate(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> CostModel:
-    """Measure the constants on this machine (the fastest of 15 interleaved runs each, a few seconds on a CPU)."""
+    """Measure the constants on this machine (the fastest of 25 interleaved runs each, a few seconds on a CPU)."""
     from detector.ops import reduce_mask, sparse_gather, sparse_scatter
 
     from .chain import SparseConvChain  # the real unit, for the fixed per-unit costs

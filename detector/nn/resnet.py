@@ -160,7 +160,7 @@ class SparseResNet(nn.Module):
             )
         if any(u < 1 for u in stage_units):
             raise ValueError(f"SparseResNet: every stage needs >= 1 unit, got {list(stage_units)}")
-        sizes = list(block_size) if isinstance(block_size, (list, tuple)) else [block_size] * (n + 1)
+        sizes = [block_size] * (n + 1) if isinstance(block_size, (int, str)) else list(block_size)  # any sequence
         if len(sizes) != n + 1:
             raise ValueError(
                 f"SparseResNet: block_size needs {n + 1} entries (stem, then each stage), got {len(sizes)}"
