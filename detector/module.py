@@ -129,6 +129,7 @@ class DetectorModule(L.LightningModule):
         if "backbone" in out.times:
             self.log("train/backbone_ms_per_frame", 1000 * out.times["backbone"] / B, batch_size=B)
         self.log("train/step_forward_ms", 1000 * (time.perf_counter() - t0), batch_size=B)
+        self._log_plan(out)
         return loss
 
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
@@ -137,6 +138,7 @@ class DetectorModule(L.LightningModule):
         dets = self.model.decode(out, **self.decode_kwargs)
         B = batch.size
         self.log("val/mask_sparsity", out.sparsity, batch_size=B, sync_dist=True)
+        self._log_mask_quality(out, batch)
         for k in ("backbone", "voxelize", "mask", "head", "decode"):
             if k in out.times:
                 self.log(f"val/time_{k}_ms_per_frame", 1000 * out.times[k] / B, batch_size=B, sync_dist=True)
@@ -144,6 +146,31 @@ class DetectorModule(L.LightningModule):
         self._val_records += [r for r in records if r.gt is not None]
         if batch_idx == 0 and self._val_image is None:
             self._val_image = (batch.frames[0], dets[0].to("cpu"), None if out.mask is None else out.mask[0, 0].cpu())
+
+    def _log_mask_quality(self, out, batch: Batch) -> None:
+        """val/mask_recall and val/mask_boxes_covered (weighted by boxes: the epoch value is the mean over all
+        boxes) and val/tiles_active_s{1,2,4,8,16} (weighted by frames) - detector/models/mask_quality.py."""
+        if out.mask is None:
+            return
+        from detector.models.mask_quality import class_boxes, mask_quality
+
+        q = mask_quality(out.mask, class_boxes(batch.gt_boxes, batch.gt_names, self.classes), self.model.grid)
+        n = int(q.pop("n_boxes"))
+        if n:
+            for k in ("mask_recall", "mask_boxes_covered"):
+                self.log(f"val/{k}", q[k], batch_size=n, sync_dist=True)
+        for k in [k for k in q if k.startswith("tiles_active")]:
+            self.log(f"val/{k}", q[k], batch_size=batch.size, sync_dist=True)
+
+    def _log_plan(self, out) -> None:
+        """The execution plan: plan/<stage> scalars (tile, 0 = dense) and each new plan once as text."""
+        if out.plan is None:
+            return
+        self.log_dict(out.plan.as_scalars(), batch_size=1)
+        exp = getattr(self.logger, "experiment", None)
+        for plan in self.model.backbone.planner.take_new():
+            if exp is not None and hasattr(exp, "add_text") and self.trainer.is_global_zero:
+                exp.add_text("plan", "```\n" + plan.describe() + "\n```", self.global_step)
 
     def on_validation_epoch_start(self) -> None:
         self._val_records = []

@@ -347,29 +347,21 @@ class GroundMask:
 # --------------------------------------------------------------------------------------------------
 # Ground-truth mask from boxes
 # --------------------------------------------------------------------------------------------------
-def boxes_mask(
-    boxes_per_frame: Sequence[Boxes3D],
-    grid: BevGrid,
-    dilation_m: float,
-    downsample: int = 1,
-    device: torch.device | str | None = None,
-) -> torch.Tensor:
-    """[B, 1, H/d, W/d] float32 in {0, 1}: cells of the ``downsample``-times coarser grid covered by the
-    BEV boxes enlarged by ``dilation_m`` on every side.
+def box_cells(boxes_per_frame: Sequence[Boxes3D], grid: BevGrid, dilation_m: float = 0.0,
+              device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grid cells of every box: ``(box, cell)`` int64 pairs, ``box`` indexing the boxes of all frames in
+    order, ``cell`` the flat index ``(frame * H + row) * W + col``; each pair once.
 
-    A cell is on iff its centre lies inside (or on the border of) an enlarged box's rotated BEV
-    rectangle, or it holds a box's centre (so an object smaller than a coarse cell is never lost).
-    ``device``: where the mask goes (default: the first frame's boxes' device).
-    """
+    Rule: a cell belongs to a box iff its centre lies inside (or on the border of) the box's rotated BEV
+    rectangle enlarged by ``dilation_m`` on every side, or it holds the box's centre (so an object smaller
+    than a cell is never lost). Cells outside the grid belong to no box."""
     d = _check_radius(dilation_m, "boxes_mask dilation_m")
-    g = grid.downsampled(downsample)
-    B = len(boxes_per_frame)
+    B, g = len(boxes_per_frame), grid
     if device is None:
         device = boxes_per_frame[0].tensor.device if B else "cpu"
-    out = torch.zeros(B * g.H * g.W, dtype=torch.float32, device=device)
     counts = [len(b) for b in boxes_per_frame]
     if sum(counts) == 0:
-        return out.view(B, 1, g.H, g.W)
+        return torch.zeros(0, dtype=torch.int64, device=device), torch.zeros(0, dtype=torch.int64, device=device)
     t = torch.cat([b.tensor.detach().to(device, torch.float64) for b in boxes_per_frame])  # [K, 7]
     fidx = torch.repeat_interleave(torch.arange(B, device=device), torch.tensor(counts, device=device))
     x, y, yaw = t[:, 0], t[:, 1], t[:, 6]
@@ -392,8 +384,30 @@ def boxes_mask(
     on = (lx.abs() <= hx[:, None, None]) & (ly.abs() <= hy[:, None, None]) & g.in_grid(rows, cols)
     on &= (rows <= r1[:, None, None]) & (cols <= c1[:, None, None])
     flat = (fidx[:, None, None] * g.H + rows) * g.W + cols
-    out[flat[on]] = 1.0
-    rc, cc = g.world_to_cell(x, y)  # the centre cell of every box
-    ok = g.in_grid(rc, cc)
-    out[((fidx * g.H + rc) * g.W + cc)[ok]] = 1.0
+    rc, cc = g.world_to_cell(x, y)  # the centre cell of every box (once more where the rectangle has it)
+    centre = g.in_grid(rc, cc) & ~(on & (flat == ((fidx * g.H + rc) * g.W + cc)[:, None, None])).flatten(1).any(1)
+    kid = torch.arange(len(t), device=device)
+    box = torch.cat([kid[:, None, None].expand_as(flat)[on], kid[centre]])
+    cell = torch.cat([flat[on], ((fidx * g.H + rc) * g.W + cc)[centre]])
+    return box, cell
+
+
+def boxes_mask(
+    boxes_per_frame: Sequence[Boxes3D],
+    grid: BevGrid,
+    dilation_m: float,
+    downsample: int = 1,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """[B, 1, H/d, W/d] float32 in {0, 1}: the cells of the ``downsample``-times coarser grid that belong to
+    a box enlarged by ``dilation_m`` on every side (:func:`box_cells`' rule).
+    ``device``: where the mask goes (default: the first frame's boxes' device).
+    """
+    g = grid.downsampled(downsample)
+    B = len(boxes_per_frame)
+    if device is None:
+        device = boxes_per_frame[0].tensor.device if B else "cpu"
+    out = torch.zeros(B * g.H * g.W, dtype=torch.float32, device=device)
+    _, cell = box_cells(boxes_per_frame, g, dilation_m, device)
+    out[cell] = 1.0
     return out.view(B, 1, g.H, g.W)
