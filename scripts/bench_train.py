@@ -34,7 +34,8 @@ def main(argv=None) -> int:
                *OVERRIDES[name], *args["extra"].split()]
         print(" ".join(cmd), flush=True)
         t0 = time.time()
-        subprocess.run(cmd, cwd=REPO, check=True)
+        if subprocess.run(cmd, cwd=REPO).returncode:  # the run printed its error line
+            return 1
         run = json.loads((out_dir / "run.json").read_text())
         result[name] = run["metrics"]
         result["wall_s"][name] = round(time.time() - t0, 1)

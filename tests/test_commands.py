@@ -146,3 +146,22 @@ def test_make_dataset_errors_are_one_line(tmp_path, capsys):
 
 def test_bench_model_in_a_fresh_clone_says_run_make_data(tmp_path):
     _one_line_error(_script("bench_model.py", "quick=true", cwd=tmp_path), "run `make data` first")
+
+
+# --- train / evaluate: Hydra's own errors ------------------------------------------------------------------
+@pytest.mark.parametrize("config, args, words", [
+    ("eval", ["data.root=x"], ("ckpt_path must be given",)),
+    ("train", ["foo=1"], ("Could not override 'foo'", "Key 'foo' is not in struct")),
+    ("train", ["model=nonexistent"], ("Could not find 'model/nonexistent'", "dense sparse")),
+    ("train", ["data.batch_size=1,2"], ("Ambiguous value for argument 'data.batch_size=1,2'",)),
+    ("train", ["trainer.max_epochs"], ("Error parsing override 'trainer.max_epochs'",)),
+])
+def test_hydra_errors_are_one_line(config, args, words, capsys):
+    from detector.commands.overrides import check_overrides
+
+    with pytest.raises(SystemExit) as e:
+        check_overrides(config, args)
+    assert e.value.code == 1
+    _check_line(capsys.readouterr().err, words)
+    check_overrides(config, ["ckpt_path=x.ckpt"] if config == "eval" else [])  # a good command line passes
+    check_overrides(config, ["--multirun", "foo=1"])  # Hydra's flags: left to Hydra
