@@ -27,12 +27,10 @@ from detector.data.kitti_labels import (  # noqa: F401  (the label files: re-exp
     IMAGE_SIZE,
     KittiLabels,
     as_written,
-    boxes_to_labels,
     difficulty,
     fields_valid,
     format_label_lines,
     labels_from_fields,
-    labels_to_boxes,
     observation_angle,
     parse_label_lines,
     read_label,
@@ -42,7 +40,39 @@ from detector.data.kitti_labels import (  # noqa: F401  (the label files: re-exp
 from detector.errors import KittiFormatError
 
 if TYPE_CHECKING:  # structures imports torch: the label reader and the metric's CLI do without it
-    from detector.data.structures import Frame
+    from detector.data.structures import Boxes3D, Frame
+
+
+def boxes_to_labels(
+    boxes: Boxes3D,
+    names: np.ndarray,
+    calib: Calibration,
+    scores: np.ndarray | None = None,
+    image_size: tuple[int, int] = IMAGE_SIZE,
+    truncated: np.ndarray | None = None,
+    occluded: np.ndarray | None = None,
+) -> KittiLabels:
+    """LiDAR-frame boxes → KITTI label/result records: camera-frame geometry, alpha, and the 2D box of
+    the projected 3D box clipped to the image. Boxes entirely outside the image keep a zero 2D box.
+    float32 scores (a network's output) become the shortest decimal of their float32 value."""
+    n = len(boxes)
+    loc, dims, ry = boxes.to_camera(calib)
+    bbox, _ = boxes.project_to_image(calib, image_size)
+    if scores is not None:
+        scores = np.asarray(scores).reshape(n)
+        if scores.dtype == np.float32:
+            scores = np.array([float(np.format_float_positional(v, unique=True)) for v in scores])
+    return KittiLabels(
+        name=np.asarray(names, dtype="<U16").reshape(n),
+        truncated=np.zeros(n) if truncated is None else truncated,
+        occluded=np.zeros(n) if occluded is None else occluded,
+        alpha=observation_angle(loc, ry),
+        bbox=bbox,
+        dimensions=dims,
+        location=loc,
+        rotation_y=ry,
+        score=scores,
+    )
 
 
 def in_camera_fov(points: np.ndarray, calib: Calibration, image_size: tuple[int, int] = IMAGE_SIZE) -> np.ndarray:
@@ -51,6 +81,13 @@ def in_camera_fov(points: np.ndarray, calib: Calibration, image_size: tuple[int,
     uv, depth = calib.lidar_to_image(points[:, :3])
     w, h = image_size
     return (depth > 0) & (uv[:, 0] >= 0) & (uv[:, 0] < w) & (uv[:, 1] >= 0) & (uv[:, 1] < h)
+
+
+def labels_to_boxes(labels: KittiLabels, calib: Calibration) -> Boxes3D:
+    """The 3D boxes of all records in the LiDAR frame (callers drop DontCare first)."""
+    from detector.data.structures import Boxes3D
+
+    return Boxes3D.from_camera(labels.location, labels.dimensions, labels.rotation_y, calib)
 
 
 # --------------------------------------------------------------------------------------------------

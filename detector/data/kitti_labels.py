@@ -1,7 +1,8 @@
 """KITTI label and result files: the project's one record type (:class:`KittiLabels`, float64 fields), its
-reader, writer and the translation from 3D boxes. Many files at once: :mod:`detector.data.kitti_batch`.
-The rest of the KITTI layout (calibration, point clouds, image sets, road maps, the dataset root) is in
-:mod:`detector.data.kitti`, which re-exports these names.
+reader and writer. Many files at once: :mod:`detector.data.kitti_batch`. The rest of the KITTI layout
+(calibration, the translation between 3D boxes and records, point clouds, image sets, road maps, the
+dataset root) is in :mod:`detector.data.kitti`, which re-exports these names. Imports nothing of ours but
+the error type (no torch), so the metric's CLI starts fast.
 
 Every reader checks its input and raises :class:`KittiFormatError` naming the file and line.
 """
@@ -11,15 +12,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from detector.errors import KittiFormatError
-
-if TYPE_CHECKING:  # structures imports torch: the label reader and the metric's CLI do without it
-    from detector.data.kitti import Calibration
-    from detector.data.structures import Boxes3D
 
 CLASSES = ("Car", "Van", "Truck", "Pedestrian", "Person_sitting", "Cyclist", "Tram", "Misc", "DontCare")
 _CLASS_SET = frozenset(CLASSES)
@@ -233,45 +229,6 @@ def observation_angle(location: np.ndarray, rotation_y: np.ndarray) -> np.ndarra
     """KITTI's alpha: rotation_y minus the viewing ray's angle, in [-pi, pi)."""
     ray = np.arctan2(location[:, 0], location[:, 2])
     return (rotation_y - ray + np.pi) % (2 * np.pi) - np.pi
-
-
-def boxes_to_labels(
-    boxes: Boxes3D,
-    names: np.ndarray,
-    calib: Calibration,
-    scores: np.ndarray | None = None,
-    image_size: tuple[int, int] = IMAGE_SIZE,
-    truncated: np.ndarray | None = None,
-    occluded: np.ndarray | None = None,
-) -> KittiLabels:
-    """LiDAR-frame boxes → KITTI label/result records: camera-frame geometry, alpha, and the 2D box of
-    the projected 3D box clipped to the image. Boxes entirely outside the image keep a zero 2D box.
-    float32 scores (a network's output) become the shortest decimal of their float32 value."""
-    n = len(boxes)
-    loc, dims, ry = boxes.to_camera(calib)
-    bbox, _ = boxes.project_to_image(calib, image_size)
-    if scores is not None:
-        scores = np.asarray(scores).reshape(n)
-        if scores.dtype == np.float32:
-            scores = np.array([float(np.format_float_positional(v, unique=True)) for v in scores])
-    return KittiLabels(
-        name=np.asarray(names, dtype="<U16").reshape(n),
-        truncated=np.zeros(n) if truncated is None else truncated,
-        occluded=np.zeros(n) if occluded is None else occluded,
-        alpha=observation_angle(loc, ry),
-        bbox=bbox,
-        dimensions=dims,
-        location=loc,
-        rotation_y=ry,
-        score=scores,
-    )
-
-
-def labels_to_boxes(labels: KittiLabels, calib: Calibration) -> Boxes3D:
-    """The 3D boxes of all records in the LiDAR frame (callers drop DontCare first)."""
-    from detector.data.structures import Boxes3D
-
-    return Boxes3D.from_camera(labels.location, labels.dimensions, labels.rotation_y, calib)
 
 
 # KITTI's difficulty levels: (2D box height must EXCEED this (px), max occlusion level, max truncation).
