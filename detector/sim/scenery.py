@@ -15,9 +15,10 @@ M = Material
 
 @dataclass
 class Part:
-    mesh: TriMesh  # street frame (static) or object frame (dynamic)
-    scale: float = 1.0  # reflectivity factor for the materials in _VARIABLE
-    obj: int = -1
+    """A piece of static scenery."""
+
+    mesh: TriMesh  # street frame
+    scale: float = 1.0  # reflectivity factor of the materials that vary per instance (scene._VARIABLE)
 
 
 def _segments(st: Street, lo: float, hi: float) -> list[tuple[float, float]]:
