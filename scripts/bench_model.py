@@ -1,8 +1,9 @@
 """Inference time per frame of the whole detector, dense vs sparse, in one run.
 
     python scripts/bench_model.py [quick=false] [bev=kitti] [arch=pixor] [batches=1,4] [frames=8] [reps=3]
-                                  [masks=none,road_map,predicted,ground] [block_size=16]
+                                  [masks=none,road_map,predicted,ground] [block_size=16] [head_block_size=16]
                                   [mask_train_steps=150] [root=data/sim_kitti] [out=benchmarks/model_cpu.json]
+                                  [device=cpu] [dtype=float32|bfloat16|float16]
 
 For each mask and batch size: wall time per frame of voxelize → mask → backbone → neck+head → decode
 (eval mode, no autograd) on the simulated val frames, the mean mask sparsity, the time shares, and the
@@ -17,7 +18,10 @@ split (its sparsity, not its weights, sets the speed; the trained network's real
 Pixel sparsity is not what the sparse layers see: ``tiles`` reports, per stride 1, 2, 4, 8, 16 (stem,
 stages 1-4), the fraction of 16 x 16 output tiles that the mask touches there (the mask max-pooled as the
 backbone pools it). A tile at stride ``s`` covers ``16 s`` input cells, so a mask of car-sized blobs
-activates a growing share of the deeper stages' tiles.
+activates a growing share of the deeper stages' tiles. ``mask_recall`` is the mean share of the Car boxes'
+cells inside the mask (detector/models/mask_quality.py). ``block_size=auto`` (and ``head_block_size=auto``) runs
+the execution plan (detector/nn/plan.py); the plan chosen at batch 1 and 4 is printed. ``device``/``dtype``: the
+model and its BEV input on that device in that dtype (the GPU check runs ``device=cuda dtype=bfloat16``).
 """
 
 from __future__ import annotations
@@ -31,7 +35,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
@@ -39,6 +42,7 @@ from detector.cli import parse_args
 from detector.data.datamodule import collate
 from detector.data.structures import collate_frames
 from detector.models.losses import mask_loss
+from detector.models.mask_quality import TILE_STRIDES, box_recall, class_boxes, tile_activity
 from detector.tasks import build_datamodule, build_grid, build_model
 
 USAGE = __doc__
@@ -50,7 +54,8 @@ PIXOR = ["model.backbone.stem_channels=32", "model.backbone.stage_units=[3,6,6,3
 
 def compose_cfg(args: dict, mask: str):
     over = [f"bev={args['bev']}", f"mask={mask}", f"data.root={args['root']}", "paths.output_dir=/tmp/bench_model",
-            "data.num_workers=0", "data.augment=null", f"model.block_size={args['block_size']}"]
+            "data.num_workers=0", "data.augment=null", f"model.block_size={args['block_size']}",
+            f"model.head_block_size={args['head_block_size']}"]
     if args["arch"] == "pixor":
         over += PIXOR
     with initialize_config_dir(str(REPO / "configs"), version_base="1.3"):
@@ -79,45 +84,39 @@ def train_mask_net(model, frames_train, steps: int, batch: int = 2) -> None:
     net.eval()
 
 
-TILE_STRIDES = (1, 2, 4, 8, 16)
-
-
-def tile_activity(mask: torch.Tensor, tile: int = 16) -> list[float]:
-    """Fraction of ``tile``-px tiles with any active cell, at each of TILE_STRIDES."""
-    out, m = [], mask
-    for i, _ in enumerate(TILE_STRIDES):
-        if i:
-            m = F.max_pool2d(m, 2, 2, ceil_mode=True)
-        out.append(float(F.max_pool2d(m, tile, tile, ceil_mode=True).gt(0.5).float().mean()))
-    return out
-
-
 @torch.no_grad()
-def time_config(model, provider, frames, batch: int, reps: int) -> dict:
+def time_config(model, provider, frames, batch: int, reps: int, device: torch.device, dtype: torch.dtype) -> dict:
     model.eval()
     model.timing = True
     grid = model.grid
     batches = [frames[i:i + batch] for i in range(0, len(frames) - batch + 1, batch)]
     totals: dict[str, float] = {}
-    sparsity, tiles, n_frames, wall = [], [], 0, 0.0
-    for rep in range(reps + 1):  # the first pass warms up (allocations, oneDNN primitives, autotune)
+    sparsity, tiles, recalls, plans, n_frames, wall = [], [], [], set(), 0, 0.0
+    for rep in range(reps + 1):  # the first pass warms up (allocations, oneDNN primitives, the plan's calibration)
         for fr in batches:
             t0 = time.perf_counter()
             b = collate_frames(fr)
             tm = time.perf_counter()
             if provider is not None:
                 b = collate(fr, provider, grid)
+            b = b.to(device)
             t_mask = time.perf_counter() - tm
-            out = model(b)
+            out = model(b, model.voxelize(b).to(dtype))
+            out.heatmap, out.regression = out.heatmap.float(), out.regression.float()
             model.decode(out)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
             dt = time.perf_counter() - t0
             if rep == 0:
                 continue
             wall += dt
             n_frames += len(fr)
             sparsity.append(out.sparsity)
+            if out.plan is not None:
+                plans.add(" ".join(f"{n}:{c}" for n, c in zip(out.plan.names, out.plan.choices, strict=True)))
             if out.mask is not None:
                 tiles.append(tile_activity(out.mask))
+                recalls.append(box_recall(out.mask, class_boxes(b.gt_boxes, b.gt_names, ["Car"]), grid))
             totals["mask"] = totals.get("mask", 0.0) + t_mask
             for k, v in out.times.items():
                 if k != "start":
@@ -125,14 +124,19 @@ def time_config(model, provider, frames, batch: int, reps: int) -> dict:
     ms = 1000 * wall / n_frames
     shares = {k: v / wall for k, v in totals.items()}
     act = np.mean(tiles, axis=0).tolist() if tiles else [1.0] * len(TILE_STRIDES)
-    return {"ms_per_frame": ms, "sparsity": float(np.mean(sparsity)), "shares": shares, "tiles": act}
+    rec = torch.cat(recalls) if recalls else torch.zeros(0)
+    return {"ms_per_frame": ms, "sparsity": float(np.mean(sparsity)), "shares": shares, "tiles": act,
+            "mask_recall": float(rec.mean()) if len(rec) else None, "plans": sorted(plans)}
 
 
 def main(argv=None) -> int:
     args = parse_args(argv, {"quick": False, "bev": "kitti", "arch": "pixor", "batches": "1,4", "frames": 8,
                              "reps": 3, "masks": "none,road_map,predicted,ground", "block_size": "16",
-                             "mask_train_steps": 150, "root": "data/sim_kitti",
-                             "out": "benchmarks/model_cpu.json"}, USAGE)
+                             "mask_train_steps": 150, "root": "data/sim_kitti", "head_block_size": "16",
+                             "out": "benchmarks/model_cpu.json", "device": "cpu", "dtype": "float32"}, USAGE)
+    if args["dtype"] not in ("float32", "bfloat16", "float16"):
+        raise SystemExit(f"error: dtype={args['dtype']}: expected float32, bfloat16 or float16")
+    device, dtype = torch.device(args["device"]), getattr(torch, args["dtype"])
     if not (Path(args["root"]) / "ImageSets" / "val.txt").is_file():
         raise SystemExit(f"error: root={args['root']}: no KITTI-format dataset there; run `make data` first")
     if args["quick"]:
@@ -169,21 +173,28 @@ def main(argv=None) -> int:
             train_frames = [train_ds[i] for i in range(min(64, len(train_ds)))]
             train_mask_net(model, train_frames, args["mask_train_steps"])
             print(f"  trained the mask network for {args['mask_train_steps']} steps ({time.perf_counter() - t:.0f} s)")
+        model.to(device, dtype)
         fr = road_frames if mask == "road_map" else frames
         for b in batches:
-            r = time_config(model, provider, fr, b, args["reps"])
+            r = time_config(model, provider, fr, b, args["reps"], device, dtype)
             if mask == "none":
                 dense_ms[b] = r["ms_per_frame"]
             row = {"bev": args["bev"], "arch": args["arch"], "mask": mask, "batch": b,
                    "ms_per_frame": round(r["ms_per_frame"], 2), "sparsity": round(r["sparsity"], 4),
                    "speedup_vs_dense": round(dense_ms[b] / r["ms_per_frame"], 3),
                    "shares": {k: round(v, 4) for k, v in r["shares"].items()}, "block_size": args["block_size"],
-                   "tiles": {str(st): round(a, 3) for st, a in zip(TILE_STRIDES, r["tiles"], strict=True)}}
+                   "tiles": {str(st): round(a, 3) for st, a in zip(TILE_STRIDES, r["tiles"], strict=True)},
+                   "mask_recall": r["mask_recall"], "plans": r["plans"], "device": args["device"],
+                   "dtype": args["dtype"], "head_block_size": args["head_block_size"]}
             rows.append(row)
             sh = " ".join(f"{k} {100 * v:.0f}%" for k, v in row["shares"].items())
             print(f"  mask={mask:<9} batch={b}  {row['ms_per_frame']:8.1f} ms/frame  sparsity {row['sparsity']:.3f}  "
-                  f"speedup {row['speedup_vs_dense']:.2f}x   [{sh}]  tiles {list(row['tiles'].values())}")
-    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "torch": torch.__version__,
+                  f"speedup {row['speedup_vs_dense']:.2f}x   [{sh}]  tiles {list(row['tiles'].values())}  "
+                  f"recall {row['mask_recall']}  plans {row['plans']}")
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").is_file() else ""
+    meta = {"machine": f"{platform.machine()}, {cpu}, {os.cpu_count()} CPUs", "torch": torch.__version__,
+            "device": args["device"], "dtype": args["dtype"],
             "threads": torch.get_num_threads(), "load_avg": os.getloadavg(),
             "env": {k: os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")},
             "command": "python scripts/bench_model.py " + " ".join(argv if argv is not None else sys.argv[1:])}

@@ -182,7 +182,8 @@ def calibrate(device: str | torch.device = "cpu", dtype: torch.dtype = torch.flo
         runs[f"block{t}"] = lambda b=b: F.conv2d(b, w)
     with torch.no_grad():
         ms = _fastest({k: v for k, v in runs.items() if "train" not in k})
-    ms.update(_fastest({k: v for k, v in runs.items() if "train" in k}))
+    with torch.enable_grad():  # the caller may be planning under no_grad (inference)
+        ms.update(_fastest({k: v for k, v in runs.items() if "train" in k}))
     moved = idx.shape[0] * (geo.levels[0].extent[0] * geo.levels[0].extent[1] + 16 * 16) * C
     return CostModel(
         dense_mac=ms["dense"] / (S * S * C * C * 9),
