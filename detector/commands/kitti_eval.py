@@ -11,6 +11,9 @@ file). A labeled frame without a result file counts as a frame without detection
 count); a result file without a label file is an error. out: write the APs as JSON
 ({"Car": {"2d": {"R40": {"easy": .., "moderate": .., "hard": ..}, "R11": {..}}, "bev": .., "3d": ..,
 "aos": ..}, ..., "distance": {...}}, AP in percent). Exit status 1 with one message on bad input.
+
+The rules are the official devkit's (every field read as float64, a GT counted only above the minimum
+2D height, scores at or below -1e7 never assigned, ...): detector/eval/protocol.py states each of them.
 """
 
 from __future__ import annotations

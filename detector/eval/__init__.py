@@ -5,6 +5,7 @@
 - :mod:`detector.eval.kitti_metric`: ``evaluate(gt, dt) -> KittiResult`` (AP R40/R11, AOS, AP by distance).
 - :mod:`detector.eval.kitti_files`: label/result folders (the ``scripts/kitti_eval.py`` CLI) and the
   result-file writer.
+- :mod:`detector.eval.reference`: an independent, literal implementation of the protocol (test oracle).
 """
 
 from detector.eval.iou import bev_iou, box2d_overlap, iou3d
