@@ -27,7 +27,16 @@ OVERRIDES = {"sparse": [], "dense": ["model=dense"]}
 def main(argv=None) -> int:
     args = parse_args(argv, {"runs": "sparse,dense", "root": "data/sim_kitti", "out": "benchmarks/train_sim_cpu.json",
                              "extra": ""}, __doc__)
-    result: dict = {"wall_s": {}, "runs": {}, "load_avg_before": os.getloadavg()}
+    import platform
+
+    import torch
+
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").is_file() else ""
+    result: dict = {"wall_s": {}, "runs": {}, "load_avg_before": os.getloadavg(),
+                    "machine": f"{platform.machine()}, {cpu}, {os.cpu_count()} CPUs",
+                    "threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "env": {k: os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")}}
     for name in args["runs"].split(","):
         out_dir = REPO / "outputs" / "bench_train" / f"{name}_{time.strftime('%Y-%m-%d_%H-%M-%S')}"
         cmd = [sys.executable, "scripts/train.py", f"data.root={args['root']}", f"paths.output_dir={out_dir}",
@@ -52,7 +61,8 @@ def main(argv=None) -> int:
                         f"{result['wall_s'][name]:.0f} |")
     out.with_suffix(".md").write_text(
         "# Training on the simulated sample (CPU, 2 cores)\n\n`python scripts/bench_train.py "
-        + " ".join(argv if argv is not None else sys.argv[1:]) + "` (load before "
+        + " ".join(argv if argv is not None else sys.argv[1:]) + f"` - {result['machine']}, torch {result['torch']}, "
+        + f"{result['threads']} threads, allocator {result['env']} (load before "
         + f"{result['load_avg_before']}, after {result['load_avg_after']})\n\n" + "\n".join(rows) + "\n")
     print(out.with_suffix(".md").read_text())
     return 0
