@@ -147,7 +147,8 @@ class Planner:
     """Decides plans (:func:`choose`) with a cost model that is given (``cost``: a CostModel or its dict),
     or loaded from / calibrated into ``cost_file`` (default: :func:`detector.nn.cost.default_cost_file`) at
     first use per device and dtype. ``sync``: under DDP in training, sum the inputs over the ranks and
-    broadcast rank 0's plan. Every distinct plan is logged once (:meth:`take_new` hands it to loggers)."""
+    broadcast rank 0's plan. The first plan is printed (per training / inference); the first ``report_plans``
+    distinct plans are handed to loggers by :meth:`take_new`."""
 
     def __init__(self, candidates: Sequence[int] = CANDIDATES, cost: CostModel | dict | None = None,
                  cost_file: str | None = None, sync: bool = True) -> None:
@@ -162,6 +163,8 @@ class Planner:
         self._memo: dict[tuple, Plan] = {}
         self._seen: set[tuple] = set()
         self._new: list[Plan] = []
+        self._printed: set[bool] = set()
+        self.report_plans = 10  # distinct plans handed to take_new (TensorBoard text), the first ones
         self.last: Plan | None = None
 
     def cost_model(self, device: torch.device, dtype: torch.dtype) -> CostModel:
@@ -187,9 +190,12 @@ class Planner:
             plan = _from_rank0(plan, device)
         if plan.choices not in self._seen:
             self._seen.add(plan.choices)
-            self._new.append(plan)
-            if not _distributed() or dist.get_rank() == 0:
-                print(f"execution plan ({'training' if training else 'inference'}; batch of {inputs[0].shape[0]}):\n"
+            if len(self._seen) <= self.report_plans:
+                self._new.append(plan)
+            if training not in self._printed and (not _distributed() or dist.get_rank() == 0):
+                self._printed.add(training)
+                print(f"execution plan ({'training' if training else 'inference'}; batch of {inputs[0].shape[0]}; "
+                      "it is decided per batch, later ones are logged as plan/<stage> scalars):\n"
                       + plan.describe(), flush=True)
         self.last = plan
         return plan
