@@ -17,6 +17,8 @@ Everything in float64 so that the only differences are summation order.
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -492,3 +494,33 @@ def test_inplace_training_equals_copying_training(v, layout):
     assert torch.equal(y0, y1) and torch.equal(g0, g1)
     assert all(torch.equal(a, b) for a, b in zip(p0, p1, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(b0, b1, strict=True))
+
+
+def test_dense_projection_trains_on_channels_last_maps():
+    """The dense twin's stride-2 projection on a channels-last map: fwd+bwd runs (torch 2.13's CPU backward of a
+    1x1 stride-2 convolution on such maps crashes the process, so the twin convolves every 2nd pixel instead;
+    run in a subprocess so a crash fails this test instead of killing the suite) and equals the ordinary
+    nn.Conv2d network computed on NCHW maps."""
+    code = """
+import torch
+import torch.nn.functional as F
+from detector.nn.resnet import SparseResidualUnit
+torch.manual_seed(0)
+u = SparseResidualUnit(8, 16, bottleneck=True, stride=2).train()
+x = torch.randn(2, 8, 128, 128).contiguous(memory_format=torch.channels_last).requires_grad_()
+for _ in range(5):
+    u(x).sum().backward()
+u.eval()
+xn = x.detach().contiguous()  # the plain network from the unit's modules, nn.Conv2d with stride 2, NCHW
+with torch.no_grad():
+    a = xn
+    for i, (conv, bn) in enumerate(zip(u.convs, u.bns)):
+        a = bn(conv(a))
+        a = F.relu(a) if i < 2 else a
+    ref = F.relu(a + u.proj_bn(u.proj(xn)))
+    got = u(x.detach())
+torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stderr[-2000:])

@@ -224,11 +224,21 @@ class SparseConvChain(nn.Module):
         return max(1, int(self.memory_budget_mb * 2**20) // self.block_bytes(geo, itemsize))
 
     # ------------------------------------------------------------------------------------ dense
-    def _conv_bn_dense(self, conv: nn.Conv2d, bn: nn.BatchNorm2d, a: torch.Tensor) -> torch.Tensor:
+    def _subsample(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` at the projection's stride: a 1x1 stride-S convolution is the 1x1 convolution of every S-th
+        pixel (what the sparse path computes too). Run that way because torch 2.13's CPU backward of a 1x1
+        stride-2 convolution on a channels-last map crashes (heap corruption); see tests/test_nn_units.py."""
+        S = self.stride
+        return x if S == 1 else x[:, :, ::S, ::S]
+
+    def _conv_bn_dense(
+        self, conv: nn.Conv2d, bn: nn.BatchNorm2d, a: torch.Tensor, stride: int | None = None
+    ) -> torch.Tensor:
+        stride = conv.stride if stride is None else stride
         if uses_batch_stats(bn):
-            return bn(conv(a))
+            return bn(F.conv2d(a, conv.weight, conv.bias, stride, conv.padding))
         s, t = running_scale_shift(bn)
-        return F.conv2d(a, conv.weight * s.view(-1, 1, 1, 1), t, conv.stride, conv.padding)
+        return F.conv2d(a, conv.weight * s.view(-1, 1, 1, 1), t, stride, conv.padding)
 
     def forward_dense(self, x: torch.Tensor) -> torch.Tensor:
         """The dense twin: the ordinary network on the whole map."""
@@ -242,7 +252,7 @@ class SparseConvChain(nn.Module):
             if self.shortcut == "identity":
                 return z + x
             if self.shortcut == "projection":
-                return z + self.proj(a0)
+                return z + F.conv2d(self._subsample(a0), self.proj.weight)
             return z
         a = x
         for i in range(L - 1):
@@ -251,7 +261,7 @@ class SparseConvChain(nn.Module):
         if self.shortcut == "identity":
             return F.relu_(b + x)
         if self.shortcut == "projection":
-            return F.relu_(b + self._conv_bn_dense(self.proj, self.proj_bn, x))
+            return F.relu_(b + self._conv_bn_dense(self.proj, self.proj_bn, self._subsample(x), stride=1))
         return F.relu_(b)
 
     # ----------------------------------------------------------------------------------- sparse
@@ -276,15 +286,17 @@ class SparseConvChain(nn.Module):
         N, (Ho, Wo) = x.shape[0], geo.block.out_size
         identity = self.shortcut == "identity"
         base = x if identity else zeros_in_layout(x, (N, self.out_channels, Ho, Wo))
-        K = blocks.count
-        if K == 0:
+        # Traced (torch.compile / torch.export): K is a symbol, so no host sync on it - no K == 0 branch (the
+        # ops take K = 0), one chunk (the memory budget is not applied), the level masks built without a span.
+        traced = torch.compiler.is_compiling()
+        if not traced and blocks.count == 0:
             tie = self._sync_empty()
             return base if tie is None else base + tie
         chunk = self.chunk_blocks(geo, x.element_size())
-        idx_chunks = [idx[s : s + chunk] for s in range(0, K, chunk)]
+        idx_chunks = [idx] if traced else [idx[s : s + chunk] for s in range(0, blocks.count, chunk)]
         masks = []
         for ic in idx_chunks:
-            span = BlockSpan.of(ic)
+            span = None if traced else BlockSpan.of(ic)
             masks.append([level_masks(ic, lv, span) for lv in geo.levels])
         if len(idx_chunks) > 1:
             return run_chunked(self, x, base, idx_chunks, masks, geo, add=identity and self.preact)
