@@ -3,7 +3,8 @@
 ``load()`` (through :func:`build`) compiles ``kernels/ops.cpp`` (the ``TORCH_LIBRARY(sbnet, m)`` schemas) and
 ``kernels/cpu/*.cpp`` (OpenMP) with :func:`torch.utils.cpp_extension.load`, plus ``kernels/cuda/*.cu``
 when ``torch.cuda.is_available()`` and nvcc (``CUDA_HOME``) is found, into a build folder that is kept
-between runs (``build/sbnet_kernels/<variant>-torch<version>`` in the repository, or under
+between runs (``build/sbnet_kernels/<variant>-torch<version>`` in a source checkout, the user cache for an
+installed wheel, or under
 ``$DETECTOR_KERNELS_BUILD_DIR``); ninja
 rebuilds only what changed. It then registers, once, a fake (meta) kernel and an autograd formula for
 each op with :mod:`torch.library`. If no compiler is there or the build fails, the functional layer
@@ -41,9 +42,18 @@ def kernels_dir() -> Path:
 
 
 def build_dir(with_cuda: bool) -> Path:
-    """Where the extension is built and cached (one sub-folder per CPU-only / CUDA variant)."""
+    """Where the extension is built and cached (one sub-folder per CPU-only / CUDA variant):
+    ``$DETECTOR_KERNELS_BUILD_DIR``, else ``build/sbnet_kernels`` in a source checkout, else (an installed
+    wheel) the user cache, ``$XDG_CACHE_HOME/detector/sbnet_kernels`` (``~/.cache``)."""
     root = os.environ.get("DETECTOR_KERNELS_BUILD_DIR")
-    base = Path(root) if root else Path(__file__).resolve().parents[2] / "build" / "sbnet_kernels"
+    src = kernels_dir()
+    if root:
+        base = Path(root)
+    elif src.name == "kernels" and (src.parent / "pyproject.toml").is_file():
+        base = src.parent / "build" / "sbnet_kernels"
+    else:
+        cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        base = Path(cache) / "detector" / "sbnet_kernels"
     return base / f"{'cuda' if with_cuda else 'cpu'}-torch{torch.__version__}"
 
 
