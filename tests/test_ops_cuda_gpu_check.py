@@ -100,6 +100,7 @@ def test_merge_benches_tags_rows_with_device_and_dtype(gpu_check, tmp_path):
 
 
 def test_make_target_uses_the_machines_python3():
-    res = subprocess.run(["make", "-n", "gpu-check", "ARGS=--dry-run"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=60)
+    # --no-print-directory: under `make test` the parent make's MAKEFLAGS would add "Entering directory" lines
+    res = subprocess.run(["make", "--no-print-directory", "-n", "gpu-check", "ARGS=--dry-run"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and res.stdout.strip() == "python3 scripts/gpu_check.py --dry-run"
