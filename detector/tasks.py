@@ -19,8 +19,8 @@ from detector.callbacks import AtomicCheckpointIO, load_checkpoint
 from detector.config import check_types
 from detector.data.datamodule import KittiDataModule
 from detector.data.kitti import KittiRoot, write_label
-from detector.data.voxelize import BevGrid
 from detector.errors import ConfigError, root_cause
+from detector.geometry.voxelize import BevGrid
 from detector.models.detector import BevDetector
 from detector.module import SCOPE, DetectorModule, frame_records
 from detector.resources import config_dir

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from detector.data.structures import Boxes3D
-from detector.data.voxelize import BevGrid
+from detector.geometry.voxelize import BevGrid
 
 GT_COLOR = (60, 220, 60)
 DET_COLOR = (255, 60, 60)

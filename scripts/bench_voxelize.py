@@ -34,7 +34,7 @@ from detector.cli import parse_args
 from detector.data.kitti import KittiRoot
 from detector.data.masks import GroundMask, RoadMapMask, boxes_mask
 from detector.data.structures import collate_frames
-from detector.data.voxelize import voxelize
+from detector.geometry.voxelize import voxelize
 
 USAGE = __doc__
 DEFAULTS = {"root": "", "repeats": 10, "threads": 0, "device": "cpu",

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from detector.data.structures import Boxes3D
-from detector.eval.iou import (
+from detector.eval.overlap import camera_bev
+from detector.geometry.iou import (
     bev_intersection,
     bev_iou,
     box2d_overlap,
-    camera_bev,
     iou3d,
     rect_corners,
 )

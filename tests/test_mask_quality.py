@@ -10,7 +10,7 @@ import torch
 
 from detector.data.masks import boxes_mask
 from detector.data.structures import Boxes3D
-from detector.data.voxelize import BevGrid
+from detector.geometry.voxelize import BevGrid
 from detector.models.mask_quality import box_recall, mask_quality, tile_activity
 
 # 1 m cells: columns x 0..10 (cell c covers [c, c+1)), rows y -5..5 (row r covers [-5 + r, -4 + r))

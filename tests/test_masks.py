@@ -22,7 +22,7 @@ from detector.data.masks import (
     resample_road_map,
 )
 from detector.data.structures import Boxes3D, Frame, collate_frames
-from detector.data.voxelize import BevGrid
+from detector.geometry.voxelize import BevGrid
 
 from .conftest import make_calib
 

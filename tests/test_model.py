@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from detector.data.structures import Batch, Boxes3D, collate_frames
-from detector.data.voxelize import BevGrid
-from detector.eval.iou import bev_iou
+from detector.geometry.iou import bev_iou
+from detector.geometry.voxelize import BevGrid
 from detector.models.detector import BevDetector
 from detector.models.mask_net import MaskNet
 from detector.models.nms import rotated_nms

@@ -220,7 +220,7 @@ def _small_detector_and_batch(device):
     import numpy as np
 
     from detector.data.structures import Boxes3D, Frame, collate_frames
-    from detector.data.voxelize import BevGrid
+    from detector.geometry.voxelize import BevGrid
     from detector.models.detector import BevDetector
     from detector.models.targets import BoxCoder
     from detector.nn.resnet import SparseResNet

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from detector.data.voxelize import BevGrid, voxelize
+from detector.geometry.voxelize import BevGrid, voxelize
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "bev"
 

@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     from detector.viz import bev_image
 
     if grid is None:
-        from detector.data.voxelize import BevGrid
+        from detector.geometry.voxelize import BevGrid
 
         grid = BevGrid((0.0, 70.4), (-40.0, 40.0), (-2.5, 1.0), 0.1, 0.1)
     write_png(out_path, bev_image(frame.points, grid, gt_boxes=frame.gt_boxes, det_boxes=dets, mask=mask))

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Sampler
 from detector.data.dataset import KittiDataset
 from detector.data.masks import RoadMapMask
 from detector.data.structures import Batch, Frame, collate_frames
-from detector.data.voxelize import BevGrid
+from detector.geometry.voxelize import BevGrid
 
 
 class EpochSampler(Sampler):

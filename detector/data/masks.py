@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from detector.data.structures import Batch, Boxes3D
-from detector.data.voxelize import BevGrid, axis_index
+from detector.geometry.voxelize import BevGrid, axis_index
 
 
 @dataclass

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from detector.data.kitti import KittiLabels
-from detector.eval.iou import box2d_overlap_paired
 from detector.eval.matching import LevelCounts, build_graph, match_level
 from detector.eval.overlap import (
     Records,
@@ -43,6 +42,7 @@ from detector.eval.protocol import (
     distance_levels,
     monotone,
 )
+from detector.geometry.iou import box2d_overlap_paired
 
 POINTS = ("R40", "R11")
 

@@ -16,7 +16,19 @@ from typing import Literal
 import numpy as np
 
 from detector.data.kitti import KittiLabels
-from detector.eval.iou import bev_intersection_paired, box2d_overlap_paired, camera_bev, rect_area
+from detector.geometry.iou import bev_intersection_paired, box2d_overlap_paired, rect_area
+
+
+def camera_bev(location: np.ndarray, dimensions: np.ndarray, rotation_y: np.ndarray) -> np.ndarray:
+    """KITTI camera-frame boxes → BEV rectangles in the x–z plane: (x, z, l, w, −ry), [N, 5].
+
+    ``location`` [N, 3] bottom centre, ``dimensions`` [N, 3] = (h, w, l), ``rotation_y`` [N]. The heading
+    (cos ry, −sin ry) in (x, z) is (cos(−ry), sin(−ry)), hence the sign.
+    """
+    loc = np.asarray(location, dtype=np.float64).reshape(-1, 3)
+    dims = np.asarray(dimensions, dtype=np.float64).reshape(-1, 3)
+    ry = np.asarray(rotation_y, dtype=np.float64).reshape(-1)
+    return np.stack([loc[:, 0], loc[:, 2], dims[:, 2], dims[:, 1], -ry], axis=1)
 
 
 @dataclass

@@ -48,7 +48,7 @@ Matching and AP
       (1 + cos(Δalpha)) / 2 summed over TPs in place of TP (2D matching).
 
 Deliberate differences from the devkit (each documented where it is decided):
-  D1. Overlaps are exact (polygon clipping in float64, :mod:`detector.eval.iou`); the devkit's boost
+  D1. Overlaps are exact (polygon clipping in float64, :mod:`detector.geometry.iou`); the devkit's boost
       polygons can differ by ~1e-7, so a pair within ~1e-7 of a minimum overlap may match in one and not
       the other. We keep ours exact (identical boxes give IoU exactly 1).
   D2. A threshold with TP + FP = 0 has precision 0 (the devkit divides 0 by 0).

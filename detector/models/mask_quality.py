@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from detector.data.masks import box_cells
 from detector.data.structures import Boxes3D
-from detector.data.voxelize import BevGrid
+from detector.geometry.voxelize import BevGrid
 
 __all__ = ["TILE_STRIDES", "tile_activity", "box_recall", "mask_quality"]
 

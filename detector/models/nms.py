@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from detector.eval.iou import bev_iou
+from detector.geometry.iou import bev_iou
 
 
 def rotated_nms(boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor, iou_threshold: float) -> torch.Tensor:

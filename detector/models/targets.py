@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from detector.data.structures import Boxes3D, Detections
-from detector.data.voxelize import BevGrid
+from detector.geometry.voxelize import BevGrid
 
 REG_CHANNELS = ("cos", "sin", "dx", "dy", "log_w", "log_l", "dz", "log_h")
 

@@ -7,7 +7,7 @@ Three kinds of boxes:
 - **BEV rectangles** ``[N, 5]`` = (cx, cy, l, w, yaw) in a plane: ``l`` along the heading
   (cos yaw, sin yaw), ``w`` across it. Corners ``c ± l/2·(cos, sin) ± w/2·(−sin, cos)``.
   LiDAR boxes give them directly (``Boxes3D.bev()``, the x–y plane). KITTI camera-frame boxes live in
-  the x–z plane with heading (cos ry, −sin ry), i.e. (x, z, l, w, −ry): :func:`camera_bev`.
+  the x–z plane with heading (cos ry, −sin ry), i.e. (x, z, l, w, −ry): :func:`detector.eval.overlap.camera_bev`.
 - **3D boxes** ``[N, 7]`` in the LiDAR frame = (x, y, z, l, w, h, yaw), (x, y, z) the box centre, z up
   (``Boxes3D.tensor``). KITTI camera-frame records: the metric's :func:`detector.eval.overlap.overlap_pairs`.
 
@@ -256,18 +256,3 @@ def iou3d(a, b) -> np.ndarray:
     a = _as_boxes(a, 7, "a", (3, 4, 5))
     b = _as_boxes(b, 7, "b", (3, 4, 5))
     return _all_pairs(iou3d_paired, a, b)
-
-
-# --------------------------------------------------------------------------------------------------
-# KITTI camera-frame boxes
-# --------------------------------------------------------------------------------------------------
-def camera_bev(location: np.ndarray, dimensions: np.ndarray, rotation_y: np.ndarray) -> np.ndarray:
-    """KITTI camera-frame boxes → BEV rectangles in the x–z plane: (x, z, l, w, −ry), [N, 5].
-
-    ``location`` [N, 3] bottom centre, ``dimensions`` [N, 3] = (h, w, l), ``rotation_y`` [N]. The heading
-    (cos ry, −sin ry) in (x, z) is (cos(−ry), sin(−ry)), hence the sign.
-    """
-    loc = np.asarray(location, dtype=np.float64).reshape(-1, 3)
-    dims = np.asarray(dimensions, dtype=np.float64).reshape(-1, 3)
-    ry = np.asarray(rotation_y, dtype=np.float64).reshape(-1)
-    return np.stack([loc[:, 0], loc[:, 2], dims[:, 2], dims[:, 1], -ry], axis=1)
