@@ -12,7 +12,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from detector.data.kitti import KittiLabels, as_written, boxes_to_labels, labels_to_boxes
+from detector.data.kitti_camera import boxes_to_labels, labels_to_boxes
+from detector.data.kitti_labels import KittiLabels, as_written
 from detector.data.structures import Batch, Detections
 from detector.models.detector import BevDetector
 

@@ -18,7 +18,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from detector.callbacks import AtomicCheckpointIO, load_checkpoint
 from detector.config import check_types
 from detector.data.datamodule import KittiDataModule
-from detector.data.kitti import KittiRoot, write_label
+from detector.data.kitti import KittiRoot
+from detector.data.kitti_labels import write_label
 from detector.errors import ConfigError, root_cause
 from detector.geometry.voxelize import BevGrid
 from detector.models.detector import BevDetector

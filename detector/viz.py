@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from detector.data.structures import Boxes3D
+from detector.geometry.boxes import Boxes3D
 from detector.geometry.voxelize import BevGrid
 
 GT_COLOR = (60, 220, 60)

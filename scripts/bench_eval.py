@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from detector.cli import parse_args
-from detector.data.kitti import write_label
+from detector.data.kitti_labels import write_label
 from detector.eval.kitti_files import load_eval_inputs, write_results
 from detector.eval.kitti_metric import EvalTimings, evaluate
 from detector.eval.protocol import DISTANCE_RANGES

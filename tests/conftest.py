@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from detector.data.kitti import Calibration
+from detector.data.kitti_calib import Calibration
 
 KITTI_REAL = Path(__file__).resolve().parents[1].parent / "shared" / "kitti_real"
 

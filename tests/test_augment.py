@@ -20,8 +20,12 @@ from detector.data.augment import (
     bev_boxes_overlap,
 )
 from detector.data.gt_database import GtDatabase, kitti_difficulty
-from detector.data.kitti import KittiRoot, RoadMap, boxes_to_labels, write_imageset, write_label, write_points
-from detector.data.structures import Boxes3D, Frame
+from detector.data.kitti import KittiRoot, write_imageset, write_points
+from detector.data.kitti_camera import boxes_to_labels
+from detector.data.kitti_labels import write_label
+from detector.data.road_map import RoadMap
+from detector.data.structures import Frame
+from detector.geometry.boxes import Boxes3D
 
 from .conftest import make_calib
 
@@ -385,7 +389,7 @@ def test_real_kitti_gt_sampling(kitti_real, tmp_path):
 
 
 def test_points_in_boxes_sparse_equals_dense():
-    from detector.data.structures import points_in_boxes_sparse
+    from detector.geometry.boxes import points_in_boxes_sparse
 
     frame = make_scene(11, n_boxes=8)
     # Add points exactly on box faces and corners (the borderline cases).

@@ -13,8 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from detector.data.kitti import boxes_to_labels, write_imageset, write_label, write_points
-from detector.data.structures import Boxes3D, Detections
+from detector.data.kitti import write_imageset, write_points
+from detector.data.kitti_camera import boxes_to_labels
+from detector.data.kitti_labels import write_label
+from detector.data.structures import Detections
+from detector.geometry.boxes import Boxes3D
 from detector.models.detector import BevDetector
 from detector.tasks import evaluate_checkpoint, train
 from tests.conftest import make_calib

@@ -10,11 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from detector.data.kitti import KittiFormatError, boxes_to_labels, read_label, write_imageset, write_label
-from detector.data.structures import Boxes3D
+from detector.data.kitti import write_imageset
+from detector.data.kitti_camera import boxes_to_labels
+from detector.data.kitti_labels import read_label, write_label
+from detector.errors import KittiFormatError
 from detector.eval.kitti_files import load_eval_inputs, write_results
 from detector.eval.kitti_metric import evaluate
 from detector.eval.synthetic import synthetic_set
+from detector.geometry.boxes import Boxes3D
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import kitti_eval  # noqa: E402

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from detector.data.kitti import KittiLabels
+from detector.data.kitti_labels import KittiLabels
 from detector.eval.kitti_metric import EvalTimings, evaluate
 from detector.eval.protocol import KITTI_LEVELS, N_SAMPLE_PTS, distance_levels, score_thresholds
 from detector.eval.reference import reference_curve

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from detector.data.kitti import parse_label_lines
+from detector.data.kitti_labels import parse_label_lines
 from detector.eval.kitti_metric import evaluate
 from detector.eval.protocol import KITTI_LEVELS, NO_DETECTION, distance_levels
 from detector.eval.reference import reference_curve

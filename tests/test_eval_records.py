@@ -12,8 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from detector.data.kitti import (
-    KittiFormatError,
+from detector.data.kitti_labels import (
     KittiLabels,
     as_written,
     format_label_lines,
@@ -22,6 +21,7 @@ from detector.data.kitti import (
     read_label,
     write_label,
 )
+from detector.errors import KittiFormatError
 from detector.eval.kitti_metric import evaluate
 from detector.eval.overlap import Records
 from detector.eval.synthetic import synthetic_set
@@ -54,8 +54,8 @@ def test_result_writer_keeps_distinct_scores_distinct(tmp_path):
     assert back.score.tolist() == lab.score.tolist()
     assert as_written(lab).score.tolist() == lab.score.tolist()
     # float32 scores (a network's output) are written as their shortest decimal.
-    from detector.data.kitti import boxes_to_labels
-    from detector.data.structures import Boxes3D
+    from detector.data.kitti_camera import boxes_to_labels
+    from detector.geometry.boxes import Boxes3D
     from tests.conftest import make_calib
 
     boxes = Boxes3D(np.array([[10.0, 1.0, -0.9, 4.0, 1.7, 1.5, 0.3]] * 2))

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from detector.data.structures import Boxes3D
+from detector.data.kitti_camera import boxes_from_camera
 from detector.eval.overlap import camera_bev
 from detector.geometry.iou import (
     bev_intersection,
@@ -156,7 +156,7 @@ def test_degenerate_sizes():
 def test_camera_frame_matches_lidar_frame(calib):
     """The metric's 3D IoU of KITTI camera-frame records equals the IoU of the same boxes in the LiDAR
     frame."""
-    from detector.data.kitti import KittiLabels
+    from detector.data.kitti_labels import KittiLabels
     from detector.eval.overlap import Records, overlap_pairs
 
     rng = np.random.default_rng(4)
@@ -164,7 +164,7 @@ def test_camera_frame_matches_lidar_frame(calib):
     loc = np.c_[rng.uniform(-5, 5, n), rng.uniform(1.4, 1.9, n), rng.uniform(5, 15, n)]
     dims = np.c_[rng.uniform(1.2, 2, n), rng.uniform(1.4, 2, n), rng.uniform(3, 5, n)]
     ry = rng.uniform(-math.pi, math.pi, n)
-    lidar = Boxes3D.from_camera(loc, dims, ry, calib).tensor.double().numpy()
+    lidar = boxes_from_camera(loc, dims, ry, calib).tensor.double().numpy()
     z = np.zeros(n)
     R = Records.from_labels([KittiLabels(["Car"] * n, z, z, z, np.zeros((n, 4)), dims, loc, ry, z)], True)
     i, j = np.repeat(np.arange(n), n), np.tile(np.arange(n), n)
@@ -228,7 +228,7 @@ def test_accepts_torch_tensors_and_lists():
 def test_3d_overlap_with_unequal_heights_and_bottoms(det_y, det_h, expected):
     """Hand-computed 3D IoU of two boxes with the same footprint but different bottom y and height; a
     vertical extent taken from w (1.6) or l (4.0), or y taken as the centre, gives other values."""
-    from detector.data.kitti import KittiLabels
+    from detector.data.kitti_labels import KittiLabels
     from detector.eval.overlap import Records, overlap_pairs
 
     def rec(y, h, score=None):

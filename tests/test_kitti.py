@@ -9,25 +9,20 @@ import pytest
 import torch
 
 from detector.data.dataset import KittiDataset
-from detector.data.kitti import (
-    CLASSES,
-    Calibration,
-    KittiRoot,
-    RoadMap,
+from detector.data.kitti import KittiRoot, read_imageset, read_points, write_imageset, write_points
+from detector.data.kitti_calib import Calibration
+from detector.data.kitti_camera import (
+    boxes_from_camera,
+    boxes_to_camera,
     boxes_to_labels,
-    difficulty,
     labels_to_boxes,
-    read_imageset,
-    read_label,
-    read_points,
-    read_road_map,
-    write_imageset,
-    write_label,
-    write_points,
-    write_road_map,
+    project_to_image,
 )
-from detector.data.structures import Boxes3D, collate_frames
+from detector.data.kitti_labels import CLASSES, difficulty, read_label, write_label
+from detector.data.road_map import RoadMap, read_road_map, write_road_map
+from detector.data.structures import collate_frames
 from detector.errors import KittiFormatError
+from detector.geometry.boxes import Boxes3D
 from tests.conftest import make_calib
 
 LABEL_TEXT = """\
@@ -124,7 +119,7 @@ def test_label_boxes_label_round_trip(calib, rot):
                          rng.uniform(-np.pi, np.pi, n)])
     boxes = Boxes3D(torch.from_numpy(t))
     lab = boxes_to_labels(boxes, np.array(["Car"] * n), calib)
-    back = Boxes3D.from_camera(*boxes.to_camera(calib), calib)
+    back = boxes_from_camera(*boxes_to_camera(boxes, calib), calib)
     np.testing.assert_allclose(back.numpy()[:, :6], t[:, :6], atol=1e-9)
     d = np.angle(np.exp(1j * (back.numpy()[:, 6] - t[:, 6])))
     np.testing.assert_allclose(d, 0, atol=1e-9)
@@ -136,7 +131,7 @@ def test_label_boxes_label_round_trip(calib, rot):
 def test_rotation_convention(calib):
     # A box heading straight forward (yaw 0) in the LiDAR frame has rotation_y = -pi/2 in KITTI.
     boxes = Boxes3D(torch.tensor([[10.0, 0.0, 0.0, 4.0, 1.6, 1.5, 0.0], [10.0, 0.0, 0.0, 4.0, 1.6, 1.5, math.pi / 2]]))
-    loc, dims, ry = boxes.to_camera(calib)
+    loc, dims, ry = boxes_to_camera(boxes, calib)
     np.testing.assert_allclose(np.cos(ry), [0, -1], atol=1e-7)
     np.testing.assert_allclose(np.sin(ry), [-1, 0], atol=1e-7)
     np.testing.assert_allclose(dims[0], [1.5, 1.6, 4.0])
@@ -180,7 +175,7 @@ def test_projection_clips_to_image_and_handles_boxes_behind(calib):
         [-20.0, 0.0, -0.9, 4.0, 1.7, 1.5, 0.0],    # behind the camera
         [0.5, -1.0, -0.9, 4.0, 1.7, 1.5, 0.0],     # straddles the camera plane
     ], dtype=torch.float64))
-    bbox, vis = boxes.project_to_image(calib)
+    bbox, vis = project_to_image(boxes, calib)
     assert vis.tolist() == [True, True, False, True]
     assert (bbox[:, [0, 2]] >= 0).all() and (bbox[:, [0, 2]] <= 1241).all()
     assert (bbox[:, [1, 3]] >= 0).all() and (bbox[:, [1, 3]] <= 374).all()
@@ -210,7 +205,7 @@ Car 0.60 0 0 0 100 10 200 1.5 1.6 4 0 1 10 0
 
 
 def read_label_from_text(text):
-    from detector.data.kitti import parse_label_lines
+    from detector.data.kitti_labels import parse_label_lines
 
     return parse_label_lines(text.splitlines(), "mem")
 
@@ -294,7 +289,7 @@ def test_real_kitti_frames(kitti_real):
         grown = f.gt_boxes.clone()
         grown.tensor[:, 3:5] += 0.6  # a 0.3 m shell around the sides (not below: that is ground)
         enlarged = grown.points_in_boxes(f.points).sum(0).numpy()
-        bbox, vis = f.gt_boxes.project_to_image(f.calib)
+        bbox, vis = project_to_image(f.gt_boxes, f.calib)
         for k, name in enumerate(f.gt_names):
             if name != "Car":
                 continue
@@ -308,7 +303,7 @@ def test_real_kitti_frames(kitti_real):
 
 
 def test_camera_field_of_view(calib):
-    from detector.data.kitti import in_camera_fov
+    from detector.data.kitti_camera import in_camera_fov
 
     pts = np.array([[10.0, 0.0, 0.0], [-10.0, 0.0, 0.0], [10.0, 30.0, 0.0], [10.0, -30.0, 0.0], [10.0, 0.0, 20.0],
                     [10.0, 8.0, 0.0]])

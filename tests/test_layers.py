@@ -37,10 +37,7 @@ LAYERS: list[tuple[str, ...]] = [
 __doc__ += "\n".join(f"    {i}. {', '.join(layer)}" for i, layer in enumerate(LAYERS)) + "\n"
 
 # Known exceptions, each to be deleted here when it is gone (test_known_exceptions_still_exist says when).
-KNOWN_CIRCLES: dict[frozenset[str], str] = {
-    frozenset({"detector.data.kitti", "detector.data.structures"}):
-        "removed by phase 2 (geometry floor): Boxes3D knows KITTI's Calibration",
-}
+KNOWN_CIRCLES: dict[frozenset[str], str] = {}
 KNOWN_UPWARD: dict[tuple[str, str], str] = {}
 
 

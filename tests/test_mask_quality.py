@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from detector.data.masks import boxes_mask
-from detector.data.structures import Boxes3D
+from detector.geometry.boxes import Boxes3D
 from detector.geometry.voxelize import BevGrid
 from detector.models.mask_quality import box_recall, mask_quality, tile_activity
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from detector.data.kitti import KittiRoot, RoadMap
+from detector.data.kitti import KittiRoot
 from detector.data.masks import (
     GroundMask,
     MaskResult,
@@ -21,7 +21,9 @@ from detector.data.masks import (
     dilate,
     resample_road_map,
 )
-from detector.data.structures import Boxes3D, Frame, collate_frames
+from detector.data.road_map import RoadMap
+from detector.data.structures import Frame, collate_frames
+from detector.geometry.boxes import Boxes3D
 from detector.geometry.voxelize import BevGrid
 
 from .conftest import make_calib

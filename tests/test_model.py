@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from detector.data.structures import Batch, Boxes3D, collate_frames
+from detector.data.structures import Batch, collate_frames
+from detector.geometry.boxes import Boxes3D
 from detector.geometry.iou import bev_iou
 from detector.geometry.voxelize import BevGrid
 from detector.models.detector import BevDetector
@@ -107,7 +108,7 @@ def _model(mask_net=None, block=8, head_block=16) -> BevDetector:
 
 def _batch(n=2, seed=0) -> Batch:
     """Random points with some structure (a few dense clusters), n frames."""
-    from detector.data.kitti import Calibration
+    from detector.data.kitti_calib import Calibration
     from detector.data.structures import Frame
     from tests.conftest import make_calib
 
@@ -179,7 +180,7 @@ def test_predicted_mask_path_trains():
 
 @pytest.fixture(scope="module")
 def sim_frame():
-    from detector.data.kitti import labels_to_boxes
+    from detector.data.kitti_camera import labels_to_boxes
     from detector.data.structures import Frame
     from detector.sim import LidarSpec, simulate_frame
 

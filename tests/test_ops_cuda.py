@@ -219,7 +219,8 @@ def test_sparse_unit_equals_its_dense_twin_on_gpu(device, layout, exact_cuda):
 def _small_detector_and_batch(device):
     import numpy as np
 
-    from detector.data.structures import Boxes3D, Frame, collate_frames
+    from detector.data.structures import Frame, collate_frames
+    from detector.geometry.boxes import Boxes3D
     from detector.geometry.voxelize import BevGrid
     from detector.models.detector import BevDetector
     from detector.models.targets import BoxCoder

@@ -13,8 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from detector.data.kitti import IMAGE_SIZE, KittiRoot
-from detector.data.structures import Boxes3D
+from detector.data.kitti import KittiRoot
+from detector.data.kitti_camera import project_to_image
+from detector.data.kitti_labels import IMAGE_SIZE
+from detector.geometry.boxes import Boxes3D
 from detector.sim.actors import VEHICLE_STYLES, vehicle_mesh
 from detector.sim.labels import (
     MIN_HEIGHT_PX,
@@ -227,12 +229,12 @@ def test_labels_only_in_the_camera_field_of_view(frame, written):
     assert ((labels.bbox[:, 1] >= 0) & (labels.bbox[:, 3] <= h - 1)).all()
     obj = labels.name != "DontCare"
     assert ((labels.bbox[obj, 3] - labels.bbox[obj, 1]) >= MIN_HEIGHT_PX - 0.01).all()
-    _, visible = read.gt_boxes.project_to_image(read.calib, IMAGE_SIZE)
+    _, visible = project_to_image(read.gt_boxes, read.calib, IMAGE_SIZE)
     assert visible.all()
     # Objects whose box is entirely outside the image (e.g. behind the sensor) are never in the file,
     # and every object with LiDAR points whose box projects into the image is in it (labeled or DontCare).
     boxes = Boxes3D(np.stack([o.box for o in frame.scene.objects]))
-    _, in_image = boxes.project_to_image(frame.calib, IMAGE_SIZE)
+    _, in_image = project_to_image(boxes, frame.calib, IMAGE_SIZE)
     n_points = np.bincount(frame.scan.obj[frame.scan.obj >= 0], minlength=len(boxes))
     listed = frame.labels.objects
     assert len(set(listed.tolist())) == len(listed) == len(labels)
@@ -277,7 +279,7 @@ def test_truncation_and_occlusion_levels(calib):
     # A box straight ahead projects inside the image, unclipped == clipped.
     b = Boxes3D(np.array([[20.0, 0.0, -0.9, 4.0, 1.7, 1.5, 0.0]]))
     un = unclipped_image_boxes(b, calib)
-    clipped, vis = b.project_to_image(calib)
+    clipped, vis = project_to_image(b, calib)
     assert vis[0] and np.allclose(un, clipped, atol=1e-6)
     # Behind the camera: no projection.
     assert np.isnan(unclipped_image_boxes(Boxes3D(np.array([[-20.0, 0, -0.9, 4, 1.7, 1.5, 0]])), calib)).all()

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from detector.cli import parse_args
-from detector.data.kitti import DIFFICULTY_LEVELS, KittiRoot, difficulty
+from detector.data.kitti import KittiRoot
+from detector.data.kitti_labels import DIFFICULTY_LEVELS, difficulty
 from detector.errors import KittiFormatError
 
 USAGE = __doc__

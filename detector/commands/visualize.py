@@ -19,8 +19,9 @@ import torch
 
 from detector.cli import parse_args
 from detector.data.kitti import KittiRoot
-from detector.data.structures import BOX_EDGES, Boxes3D, collate_frames
+from detector.data.structures import collate_frames
 from detector.errors import CheckpointError, KittiFormatError
+from detector.geometry.boxes import BOX_EDGES, Boxes3D
 
 USAGE = __doc__
 

@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from detector.data.kitti import RoadMap
-from detector.data.structures import Boxes3D, Frame, points_in_boxes_sparse, wrap_angle
+from detector.data.road_map import RoadMap
+from detector.data.structures import Frame
+from detector.geometry.boxes import Boxes3D, points_in_boxes_sparse, wrap_angle
 
 if TYPE_CHECKING:  # pragma: no cover
     from detector.data.gt_database import GtDatabase

@@ -10,7 +10,10 @@ from pathlib import Path
 import numpy as np
 import torch.utils.data
 
-from detector.data.kitti import Calibration, KittiRoot, in_camera_fov, read_label
+from detector.data.kitti import KittiRoot
+from detector.data.kitti_calib import Calibration
+from detector.data.kitti_camera import in_camera_fov
+from detector.data.kitti_labels import read_label
 from detector.data.structures import Frame
 from detector.errors import KittiFormatError
 

@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from detector.data.kitti import KittiLabels, KittiRoot
-from detector.data.structures import points_in_boxes_sparse
+from detector.data.kitti import KittiRoot
+from detector.data.kitti_labels import KittiLabels
+from detector.geometry.boxes import points_in_boxes_sparse
 
 _VERSION = "gtdb-1"
 DEFAULT_CLASSES = ("Car", "Pedestrian", "Cyclist")

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from detector.data.structures import Batch, Boxes3D
+from detector.data.structures import Batch
+from detector.geometry.boxes import Boxes3D
 from detector.geometry.voxelize import BevGrid, axis_index
 
 
@@ -119,7 +120,7 @@ class NoMask:
 def resample_road_map(road, grid: BevGrid, device: torch.device | str = "cpu") -> torch.Tensor:
     """[H, W] bool: the road raster sampled (nearest) at each BEV cell centre; outside the raster = False.
 
-    ``road`` is a :class:`detector.data.kitti.RoadMap` (row r, column c cover y/x in
+    ``road`` is a :class:`detector.data.road_map.RoadMap` (row r, column c cover y/x in
     [min + k·res, min + (k+1)·res)); any resolution and extent.
     """
     if road.to_raster is not None:  # augmented: look the cell centres up through the coordinate map

@@ -18,8 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from detector.data.kitti import KittiFormatError, KittiLabels, read_imageset, write_label
+from detector.data.kitti import read_imageset
 from detector.data.kitti_batch import read_labels
+from detector.data.kitti_labels import KittiLabels, write_label
+from detector.errors import KittiFormatError
 
 
 @dataclass

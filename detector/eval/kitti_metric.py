@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from detector.data.kitti import KittiLabels
+from detector.data.kitti_labels import KittiLabels
 from detector.eval.matching import LevelCounts, build_graph, match_level
 from detector.eval.overlap import (
     Records,

@@ -1,6 +1,6 @@
 """KITTI records of many frames, and the protocol's overlap between detection and GT records.
 
-:class:`Records` is a :class:`~detector.data.kitti.KittiLabels` (the project's one record type, float64
+:class:`Records` is a :class:`~detector.data.kitti_labels.KittiLabels` (the project's one record type, float64
 fields) holding the records of many frames concatenated, in frame order and file order within a frame
 (the order the protocol's matching depends on), plus the frame index of each record and the derived
 geometry the overlaps need. Values are used exactly as read: no float32 step, no decimal recovery.
@@ -15,7 +15,7 @@ from typing import Literal
 
 import numpy as np
 
-from detector.data.kitti import KittiLabels
+from detector.data.kitti_labels import KittiLabels
 from detector.geometry.iou import bev_intersection_paired, box2d_overlap_paired, rect_area
 
 

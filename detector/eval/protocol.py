@@ -58,7 +58,7 @@ Deliberate differences from the devkit (each documented where it is decided):
   D5. Unknown class names and lower-case names are an error naming the file and line (the devkit skips
       or misreads them). In result files ``occluded`` need not be an integer (the devkit ignores it).
   D6. Our result writer computes a detection's alpha as rotation_y − atan2(x, z) (the ray from the camera,
-      :func:`detector.data.kitti.observation_angle`); real KITTI labels agree to their 2 decimals far away
+      :func:`detector.data.kitti_labels.observation_angle`); real KITTI labels agree to their 2 decimals far away
       but differ by up to ~0.3 m / distance near the sensor (0.049 rad at 4 m; tests/test_eval_records.py),
       which costs AOS at most (1 − cos 0.05) / 2 ≈ 0.06 % on such a detection.
 
@@ -75,7 +75,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from detector.data.kitti import DIFFICULTY_LEVELS
+from detector.data.kitti_labels import DIFFICULTY_LEVELS
 
 CLASSES = ("Car", "Pedestrian", "Cyclist")
 MIN_OVERLAP = {"Car": 0.7, "Pedestrian": 0.5, "Cyclist": 0.5}

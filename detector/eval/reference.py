@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from detector.data.kitti import KittiLabels
+from detector.data.kitti_labels import KittiLabels
 from detector.eval.protocol import MIN_OVERLAP, N_SAMPLE_PTS, NEIGHBOUR, NO_DETECTION, Level
 
 

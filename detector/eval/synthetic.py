@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from detector.data.kitti import KittiLabels
+from detector.data.kitti_labels import KittiLabels
 
 FOCAL, CX, CY = 721.5, 609.6, 172.9
 IMAGE_W, IMAGE_H = 1242, 375

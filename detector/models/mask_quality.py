@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from detector.data.masks import box_cells
-from detector.data.structures import Boxes3D
+from detector.geometry.boxes import Boxes3D
 from detector.geometry.voxelize import BevGrid
 
 __all__ = ["TILE_STRIDES", "tile_activity", "box_recall", "mask_quality"]

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from detector.data.structures import Boxes3D, Detections
+from detector.data.structures import Detections
+from detector.geometry.boxes import Boxes3D
 from detector.geometry.voxelize import BevGrid
 
 REG_CHANNELS = ("cos", "sin", "dx", "dy", "log_w", "log_l", "dz", "log_h")

@@ -19,7 +19,7 @@ One frame (:func:`detector.sim.writer.simulate_frame`):
 4. Labels (:func:`detector.sim.labels.label_frame`), following KITTI's rules:
 
    - candidates are the dynamic objects whose 3D box projects into the 1242×375 image (through P2);
-   - the 2D box is the projected 3D box clipped to the image (:func:`~detector.data.kitti.boxes_to_labels`);
+   - the 2D box is the projected 3D box clipped to the image (:func:`~detector.data.kitti_camera.boxes_to_labels`);
    - truncation = the fraction of the projected, unclipped 2D box outside the image;
    - occlusion: ``occlusion_samples`` points are drawn on the object's mesh (area-weighted); of those
      that project into the image, a point is hidden when the ray from the camera's optical centre to

@@ -7,13 +7,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from detector.data.kitti import (
-    IMAGE_SIZE,
-    Calibration,
-    KittiLabels,
-    boxes_to_labels,
-)
-from detector.data.structures import BOX_EDGES, Boxes3D
+from detector.data.kitti_calib import Calibration
+from detector.data.kitti_camera import boxes_to_labels, project_to_image
+from detector.data.kitti_labels import IMAGE_SIZE, KittiLabels
+from detector.geometry.boxes import BOX_EDGES, Boxes3D
 from detector.sim.scene import Scene
 from detector.sim.sensor import Scan, camera_center
 
@@ -150,7 +147,7 @@ def label_frame(
     if not scene.objects:
         return FrameLabels(KittiLabels.empty(), np.zeros(0, np.int64))
     boxes = Boxes3D(np.stack([o.box for o in scene.objects]))
-    bbox, visible = boxes.project_to_image(calib, IMAGE_SIZE)
+    bbox, visible = project_to_image(boxes, calib, IMAGE_SIZE)
     n_points = np.bincount(sweep.obj[sweep.obj >= 0], minlength=len(scene.objects))
     cand = np.flatnonzero(visible)
     hidden = np.ones(len(boxes))

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from detector.data.kitti import Calibration
-from detector.data.structures import Boxes3D, wrap_angle
+from detector.data.kitti_calib import Calibration
+from detector.data.kitti_camera import boxes_from_camera, boxes_to_camera
+from detector.geometry.boxes import Boxes3D, wrap_angle
 from detector.sim.meshes import ALBEDO, Material, TriMesh, fit_to_box, rot_z
 from detector.sim.scenery import static_parts
 from detector.sim.street import Occupancy, Street, sample_street
@@ -91,10 +92,10 @@ def quantize_boxes(boxes: np.ndarray, calib: Calibration) -> np.ndarray:
     boxes = np.asarray(boxes, np.float64).reshape(-1, 7)
     if len(boxes) == 0:
         return boxes
-    loc, dims, ry = Boxes3D(boxes).to_camera(calib)
+    loc, dims, ry = boxes_to_camera(Boxes3D(boxes), calib)
     loc, dims = np.round(loc, 2), np.round(dims, 2)
     ry = np.round(ry, 2)  # to_camera gives [-pi, pi): rounding stays within [-3.14, 3.14]
-    return Boxes3D.from_camera(loc, dims, ry, calib).tensor.numpy()
+    return boxes_from_camera(loc, dims, ry, calib).tensor.numpy()
 
 
 def assemble_scene(

@@ -9,9 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from detector.data.kitti import (
-    Calibration,
-)
+from detector.data.kitti_calib import Calibration
 from detector.sim.meshes import DROPOUT, Material
 from detector.sim.scene import Scene
 

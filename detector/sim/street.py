@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from detector.data.kitti import RoadMap
+from detector.data.road_map import RoadMap
 
 # Extent of the scene along the street (m): the scan reaches 120 m, objects are placed in [-60, 110].
 U_MIN, U_MAX = -150.0, 200.0

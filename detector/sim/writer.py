@@ -14,14 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from detector.data.kitti import (
-    Calibration,
-    RoadMap,
-    write_imageset,
-    write_label,
-    write_points,
-    write_road_map,
-)
+from detector.data.kitti import write_imageset, write_points
+from detector.data.kitti_calib import Calibration
+from detector.data.kitti_labels import write_label
+from detector.data.road_map import RoadMap, write_road_map
 from detector.sim.labels import FrameLabels, label_frame
 from detector.sim.scene import Scene, generate_scene
 from detector.sim.sensor import LidarSpec, Scan, make_calibration, scan
