@@ -64,7 +64,7 @@ def compose_cfg(args: dict, mask: str):
 
 def train_mask_net(model, frames_train, steps: int, batch: int = 2) -> None:
     """Train only the mask network on the dilated ground-truth boxes (Adam, a few hundred steps)."""
-    from detector.data.masks import boxes_mask
+    from detector.geometry.box_masks import boxes_mask
 
     net = model.mask_net
     net.train()

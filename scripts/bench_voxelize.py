@@ -32,8 +32,9 @@ from omegaconf import OmegaConf
 
 from detector.cli import parse_args
 from detector.data.kitti import KittiRoot
-from detector.data.masks import GroundMask, RoadMapMask, boxes_mask
+from detector.data.masks import GroundMask, RoadMapMask
 from detector.data.structures import collate_frames
+from detector.geometry.box_masks import boxes_mask
 from detector.geometry.voxelize import voxelize
 
 USAGE = __doc__

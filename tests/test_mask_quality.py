@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from detector.data.masks import boxes_mask
+from detector.geometry.box_masks import boxes_mask
 from detector.geometry.boxes import Boxes3D
 from detector.geometry.voxelize import BevGrid
 from detector.models.mask_quality import box_recall, mask_quality, tile_activity

@@ -11,18 +11,10 @@ import pytest
 import torch
 
 from detector.data.kitti import KittiRoot
-from detector.data.masks import (
-    GroundMask,
-    MaskResult,
-    NoMask,
-    RoadMapMask,
-    boxes_mask,
-    close,
-    dilate,
-    resample_road_map,
-)
+from detector.data.masks import GroundMask, MaskResult, NoMask, RoadMapMask, resample_road_map
 from detector.data.road_map import RoadMap
 from detector.data.structures import Frame, collate_frames
+from detector.geometry.box_masks import boxes_mask, close, dilate
 from detector.geometry.boxes import Boxes3D
 from detector.geometry.voxelize import BevGrid
 

@@ -15,11 +15,8 @@ Providers (the ``predicted`` one is a network: detector/models/mask_net.py):
   between scan rings) and dilated (covers objects standing on the ground). Rule: :class:`GroundMask`.
 - :class:`NoMask`: dense.
 
-:func:`boxes_mask` builds the "ground-truth" mask from labeled boxes (the predicted mask's target).
-
-Morphology is on the grid's cells with a disk of radius ``r`` metres: dilation turns on every cell whose
-centre lies within ``r`` of an "on" cell's centre (offsets (dr, dc) with dr² + dc² <= (r / res)²);
-erosion is its dual (cells outside the grid count as "on"), closing = dilation then erosion.
+The "ground-truth" mask from labeled boxes (the predicted mask's target) and the morphology the providers
+use (dilation, closing on the grid's cells): :mod:`detector.geometry.box_masks`.
 """
 
 from __future__ import annotations
@@ -33,7 +30,7 @@ import numpy as np
 import torch
 
 from detector.data.structures import Batch
-from detector.geometry.boxes import Boxes3D
+from detector.geometry.box_masks import check_radius, close, dilate
 from detector.geometry.voxelize import BevGrid, axis_index
 
 
@@ -54,57 +51,6 @@ class MaskResult:
     def from_mask(cls, mask: torch.Tensor, n_fallback: int = 0) -> MaskResult:
         density = mask.flatten(1).float().mean(dim=1).cpu()
         return cls(mask, 1.0 - float(density.mean()), [1.0 - float(d) for d in density], n_fallback)
-
-
-# --------------------------------------------------------------------------------------------------
-# Morphology (torch, any device): a disk as a union of horizontal runs, each run a prefix-sum window.
-# --------------------------------------------------------------------------------------------------
-def _check_radius(radius_m: float, name: str) -> float:
-    r = float(radius_m)
-    if not (math.isfinite(r) and r >= 0):
-        raise ValueError(f"{name} must be a finite radius >= 0 metres, got {radius_m!r}")
-    return r
-
-
-def _row_distance(mask: torch.Tensor) -> torch.Tensor:
-    """[B, H, W] int32: per row, the column distance to the nearest on cell of that row (> W if none)."""
-    W = mask.shape[2]
-    idx = torch.arange(W, dtype=torch.int32, device=mask.device).expand_as(mask)
-    far = torch.tensor(2 * W + 2, dtype=torch.int32, device=mask.device)
-    last = torch.where(mask, idx, -far).cummax(dim=2).values  # nearest on cell at or left of c
-    nxt = torch.where(mask, idx, far).flip(2).cummin(dim=2).values.flip(2)  # at or right of c
-    return torch.minimum(idx - last, nxt - idx)
-
-
-def dilate(mask: torch.Tensor, radius_cells: float) -> torch.Tensor:
-    """Binary dilation of ``mask`` [B, H, W] bool by a disk of radius ``radius_cells`` (cell units).
-
-    A disk is a union of horizontal runs: cell (r, c) is on iff for some |dy| <= radius the row r + dy
-    has an on cell within floor(sqrt(radius² − dy²)) columns of c."""
-    if mask.dim() != 3 or mask.dtype != torch.bool:
-        raise ValueError(f"dilate expects a [B, H, W] bool tensor, got {tuple(mask.shape)} {mask.dtype}")
-    r = int(math.floor(radius_cells + 1e-9))
-    if r <= 0 or mask.numel() == 0:
-        return mask.clone()
-    H = mask.shape[1]
-    dist = _row_distance(mask)
-    out = dist <= r
-    for dy in range(1, min(r, H - 1) + 1):
-        half = int(math.floor(math.sqrt(max(radius_cells**2 - dy * dy, 0.0)) + 1e-9))
-        run = dist <= half
-        out[:, dy:] |= run[:, : H - dy]
-        out[:, : H - dy] |= run[:, dy:]
-    return out
-
-
-def erode(mask: torch.Tensor, radius_cells: float) -> torch.Tensor:
-    """Binary erosion (dual of :func:`dilate`; cells outside the grid count as on)."""
-    return ~dilate(~mask, radius_cells)
-
-
-def close(mask: torch.Tensor, radius_cells: float) -> torch.Tensor:
-    """Binary closing: dilation then erosion with the same disk (fills gaps narrower than the disk)."""
-    return erode(dilate(mask, radius_cells), radius_cells)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -154,7 +100,7 @@ class RoadMapMask:
     at the default 4)."""
 
     def __init__(self, dilation_m: float = 2.0, downsample: int = 4):
-        self.dilation_m = _check_radius(dilation_m, "RoadMapMask.dilation_m")
+        self.dilation_m = check_radius(dilation_m, "RoadMapMask.dilation_m")
         if not isinstance(downsample, int) or downsample < 1:
             raise ValueError(f"RoadMapMask.downsample must be a positive integer, got {downsample!r}")
         self.downsample = downsample
@@ -220,8 +166,8 @@ class GroundMask:
         object_depth_m: float = 3.0,
         seed: int = 0,
     ):
-        self.dilation_m = _check_radius(dilation_m, "GroundMask.dilation_m")
-        self.closing_m = _check_radius(closing_m, "GroundMask.closing_m")
+        self.dilation_m = check_radius(dilation_m, "GroundMask.dilation_m")
+        self.closing_m = check_radius(closing_m, "GroundMask.closing_m")
         for name, v in (("search_band", search_band), ("distance_threshold", distance_threshold)):
             if not (math.isfinite(float(v)) and float(v) > 0):
                 raise ValueError(f"GroundMask.{name} must be positive, got {v!r}")
@@ -242,7 +188,7 @@ class GroundMask:
         self.min_points = int(min_points)
         self.min_normal_z = math.cos(math.radians(float(max_tilt_deg)))
         self.max_object_height = float(max_object_height)
-        self.object_depth_m = _check_radius(object_depth_m, "GroundMask.object_depth_m")
+        self.object_depth_m = check_radius(object_depth_m, "GroundMask.object_depth_m")
         self.seed = int(seed)
 
     def _ransac(self, cand: np.ndarray) -> np.ndarray | None:
@@ -343,72 +289,3 @@ class GroundMask:
                 stacklevel=2,
             )
         return MaskResult.from_mask(m[:, None].float(), n_fallback=n_fb)
-
-
-# --------------------------------------------------------------------------------------------------
-# Ground-truth mask from boxes
-# --------------------------------------------------------------------------------------------------
-def box_cells(boxes_per_frame: Sequence[Boxes3D], grid: BevGrid, dilation_m: float = 0.0,
-              device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The grid cells of every box: ``(box, cell)`` int64 pairs, ``box`` indexing the boxes of all frames in
-    order, ``cell`` the flat index ``(frame * H + row) * W + col``; each pair once.
-
-    Rule: a cell belongs to a box iff its centre lies inside (or on the border of) the box's rotated BEV
-    rectangle enlarged by ``dilation_m`` on every side, or it holds the box's centre (so an object smaller
-    than a cell is never lost). Cells outside the grid belong to no box."""
-    d = _check_radius(dilation_m, "boxes_mask dilation_m")
-    B, g = len(boxes_per_frame), grid
-    if device is None:
-        device = boxes_per_frame[0].tensor.device if B else "cpu"
-    counts = [len(b) for b in boxes_per_frame]
-    if sum(counts) == 0:
-        return torch.zeros(0, dtype=torch.int64, device=device), torch.zeros(0, dtype=torch.int64, device=device)
-    t = torch.cat([b.tensor.detach().to(device, torch.float64) for b in boxes_per_frame])  # [K, 7]
-    fidx = torch.repeat_interleave(torch.arange(B, device=device), torch.tensor(counts, device=device))
-    x, y, yaw = t[:, 0], t[:, 1], t[:, 6]
-    hx, hy = t[:, 3] / 2 + d, t[:, 4] / 2 + d
-    cos, sin = torch.cos(yaw), torch.sin(yaw)
-    ax = cos.abs() * hx + sin.abs() * hy  # half-size of the axis-aligned bounding box
-    ay = sin.abs() * hx + cos.abs() * hy
-    r0, c0 = g.world_to_cell(x - ax, y - ay)
-    r1, c1 = g.world_to_cell(x + ax, y + ay)
-    nh = int((r1 - r0).max()) + 1
-    nw = int((c1 - c0).max()) + 1
-    dr = torch.arange(nh, device=device)
-    dc = torch.arange(nw, device=device)
-    rows = (r0[:, None, None] + dr[None, :, None]).expand(-1, nh, nw)  # [K, nh, nw]
-    cols = (c0[:, None, None] + dc[None, None, :]).expand(-1, nh, nw)
-    px, py = g.cell_center(rows, cols, dtype=torch.float64)
-    dx, dy = px - x[:, None, None], py - y[:, None, None]
-    lx = dx * cos[:, None, None] + dy * sin[:, None, None]
-    ly = -dx * sin[:, None, None] + dy * cos[:, None, None]
-    on = (lx.abs() <= hx[:, None, None]) & (ly.abs() <= hy[:, None, None]) & g.in_grid(rows, cols)
-    on &= (rows <= r1[:, None, None]) & (cols <= c1[:, None, None])
-    flat = (fidx[:, None, None] * g.H + rows) * g.W + cols
-    rc, cc = g.world_to_cell(x, y)  # the centre cell of every box (once more where the rectangle has it)
-    centre = g.in_grid(rc, cc) & ~(on & (flat == ((fidx * g.H + rc) * g.W + cc)[:, None, None])).flatten(1).any(1)
-    kid = torch.arange(len(t), device=device)
-    box = torch.cat([kid[:, None, None].expand_as(flat)[on], kid[centre]])
-    cell = torch.cat([flat[on], ((fidx * g.H + rc) * g.W + cc)[centre]])
-    return box, cell
-
-
-def boxes_mask(
-    boxes_per_frame: Sequence[Boxes3D],
-    grid: BevGrid,
-    dilation_m: float,
-    downsample: int = 1,
-    device: torch.device | str | None = None,
-) -> torch.Tensor:
-    """[B, 1, H/d, W/d] float32 in {0, 1}: the cells of the ``downsample``-times coarser grid that belong to
-    a box enlarged by ``dilation_m`` on every side (:func:`box_cells`' rule).
-    ``device``: where the mask goes (default: the first frame's boxes' device).
-    """
-    g = grid.downsampled(downsample)
-    B = len(boxes_per_frame)
-    if device is None:
-        device = boxes_per_frame[0].tensor.device if B else "cpu"
-    out = torch.zeros(B * g.H * g.W, dtype=torch.float32, device=device)
-    _, cell = box_cells(boxes_per_frame, g, dilation_m, device)
-    out[cell] = 1.0
-    return out.view(B, 1, g.H, g.W)

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from detector.data.masks import boxes_mask
 from detector.data.structures import Batch, Detections
+from detector.geometry.box_masks import boxes_mask
 from detector.geometry.voxelize import BevGrid, voxelize
 from detector.models.head import DetectionHead
 from detector.models.losses import LossTerms, detection_loss, mask_loss

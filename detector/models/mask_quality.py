@@ -1,6 +1,6 @@
 """How good a computation mask is: what it keeps of the objects, and how many tiles it costs.
 
-- **box recall**: for every ground-truth box, the share of its BEV cells (:func:`detector.data.masks.box_cells`:
+- **box recall**: for every ground-truth box, the share of its BEV cells (:func:`detector.geometry.box_masks.box_cells`:
   cells whose centre lies in the box's rotated rectangle, plus its centre cell) where the mask is on;
   ``mask_recall`` is the mean over boxes, ``mask_boxes_covered`` the share of boxes with every cell on.
 - **active tiles per stride**: the share of ``tile``-px tiles (16) holding any active cell at strides
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from detector.data.masks import box_cells
+from detector.geometry.box_masks import box_cells
 from detector.geometry.boxes import Boxes3D
 from detector.geometry.voxelize import BevGrid
 
