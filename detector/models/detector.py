@@ -174,23 +174,34 @@ class BevDetector(nn.Module):
             feats = self.backbone(bev, mask)
             t = self._tick(times, "backbone", t)
             heat, reg = self.head(self.neck(feats))
+            self._tick(times, "head", t)
         else:
             level_masks = masks_at_strides(mask, self.neck.strides)
             modes, plan = self.execution_modes(tuple(bev.shape), mask, level_masks)
             t = self._tick(times, "plan", t)
-            feats = self.backbone(bev, mask, modes=modes[: len(self.backbone.stages)])
-            t = self._tick(times, "backbone", t)
-            neck_modes, head_mode = modes[len(self.backbone.stages): -1], modes[-1]
-            for chain, m in zip(self.neck.smooth, neck_modes, strict=True):
-                if m != DENSE:
-                    chain.block_size = int(m)
-            if head_mode != DENSE:
-                self.head.tower.block_size = int(head_mode)
-            neck_masks = [None if m == DENSE else lm for m, lm in zip(neck_modes, level_masks, strict=True)]
-            heat, reg = self.head(self.neck(feats, neck_masks), None if head_mode == DENSE else level_masks[0])
-        self._tick(times, "head", t)
+            heat, reg = self.sparse_maps(bev, mask, level_masks, modes, times)
         sparsity = 0.0 if mask is None else float(1.0 - mask.mean())
         return DetectorOutput(heat, reg, mask, mask_logits, sparsity, times, plan)
+
+    def sparse_maps(self, bev: torch.Tensor, mask: torch.Tensor, level_masks: Sequence[torch.Tensor],
+                    modes: Sequence[int | str], times: dict[str, float] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Backbone, neck and head on ``mask`` with the execution ``modes`` (:meth:`execution_modes`; the
+        exported programs run this with the modes frozen): heatmap logits and regression."""
+        times = {} if times is None else times
+        t = time.perf_counter() if self.timing else 0.0
+        feats = self.backbone(bev, mask, modes=list(modes[: len(self.backbone.stages)]))
+        t = self._tick(times, "backbone", t)
+        neck_modes, head_mode = modes[len(self.backbone.stages): -1], modes[-1]
+        for chain, m in zip(self.neck.smooth, neck_modes, strict=True):
+            if m != DENSE:
+                chain.block_size = int(m)
+        if head_mode != DENSE:
+            self.head.tower.block_size = int(head_mode)
+        neck_masks = [None if m == DENSE else lm for m, lm in zip(neck_modes, level_masks, strict=True)]
+        heat, reg = self.head(self.neck(feats, neck_masks), None if head_mode == DENSE else level_masks[0])
+        self._tick(times, "head", t)
+        return heat, reg
 
     def execution_modes(self, x_shape: tuple[int, ...], mask: torch.Tensor, level_masks: Sequence[torch.Tensor]
                         ) -> tuple[list[int | str], Plan | None]:

@@ -154,21 +154,22 @@ def level_masks(indices: torch.Tensor, level: Level, span: BlockSpan | None = No
     """Validity masks of the blocks at ``indices`` ([K, 3] rows n, by, bx) at ``level``.
 
     ``span`` (from :meth:`BlockSpan.of`) lets the common case - no block near the map border - skip
-    building any mask.
+    building any mask. Traced (torch.compile / torch.export) there is no span (it costs a host sync): both
+    masks are built from the indices, whatever K, and ``count`` is the region's (symbolic) length.
     """
-    K = int(indices.shape[0])
-    if K == 0:
+    traced = torch.compiler.is_compiling()
+    if not traced and int(indices.shape[0]) == 0:
         return LevelMasks(outside=None, region=None, count=0)
-    if span is None:
+    if span is None and not traced:
         span = BlockSpan.of(indices)
     (eh, ew), (ph, pw), (rh, rw), (H, W) = level.extent, level.offset, level.region, level.map_size
-    block_inside = (
+    block_inside = span is not None and (
         span.by_min * rh - ph >= 0
         and span.by_max * rh - ph + eh <= H
         and span.bx_min * rw - pw >= 0
         and span.bx_max * rw - pw + ew <= W
     )
-    region_inside = span.by_max * rh + rh <= H and span.bx_max * rw + rw <= W
+    region_inside = span is not None and span.by_max * rh + rh <= H and span.bx_max * rw + rw <= W
     by = indices[:, 1].long()
     bx = indices[:, 2].long()
     outside = None
@@ -177,13 +178,12 @@ def level_masks(indices: torch.Tensor, level: Level, span: BlockSpan | None = No
         vx = _axis_valid(bx * rw - pw, ew, W)
         outside = (~(vy[:, :, None] & vx[:, None, :])).reshape(-1).nonzero().flatten()
     if region_inside:
-        return LevelMasks(outside=outside, region=None, count=K * rh * rw)
+        return LevelMasks(outside=outside, region=None, count=int(indices.shape[0]) * rh * rw)
     ry = _axis_valid(by * rh, rh, H)  # only the bottom/right map border can clip a tile region
     rx = _axis_valid(bx * rw, rw, W)
-    count = int((ry.sum(1) * rx.sum(1)).sum())
-    return LevelMasks(
-        outside=outside, region=(ry[:, :, None] & rx[:, None, :]).reshape(-1).nonzero().flatten(), count=count
-    )
+    region = (ry[:, :, None] & rx[:, None, :]).reshape(-1).nonzero().flatten()
+    count = region.shape[0] if traced else int((ry.sum(1) * rx.sum(1)).sum())
+    return LevelMasks(outside=outside, region=region, count=count)
 
 
 def zero_pixels(t: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:

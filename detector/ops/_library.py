@@ -279,6 +279,8 @@ def load(verbose: bool = False) -> bool:
     functional layer warns once with it).
     """
     global _attempted, _cuda_reason
+    if _devices:  # loaded: no lock (torch.compile cannot trace one)
+        return True
     with _lock:
         if _attempted:
             return bool(_devices)

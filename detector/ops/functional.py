@@ -79,6 +79,8 @@ def _check_indices(
         raise TypeError(f"{op}: indices must be int32 (or int64), got {indices.dtype}")
     if indices.device != device:
         raise ValueError(f"{op}: indices are on {indices.device} but the data is on {device}")
+    if torch.compiler.is_compiling():  # traced (torch.compile / torch.export): the values are unknown there
+        return indices.to(torch.int32).contiguous()
     key = (batch, bp.bcount_h, bp.bcount_w)
     if _known_valid(indices, key):
         return indices
@@ -118,7 +120,7 @@ def _known_valid(indices: torch.Tensor, key: tuple[int, int, int]) -> bool:
 
 
 def _remember_valid(indices: torch.Tensor, key: tuple[int, int, int]) -> None:
-    if indices.is_inference():
+    if torch.compiler.is_compiling() or indices.is_inference():
         return
     entry = _valid_indices.get(indices)
     if entry is None or entry[0] != indices._version:
@@ -305,6 +307,9 @@ def sparse_scatter_(
     if _kernels_for(base.device):
         if grad:
             return ScatterInPlace.apply(blocks, indices, base, tuple(bp.obsize), bool(add), bool(relu))
-        torch.ops.sbnet.sparse_scatter_(blocks, indices, base, list(bp.obsize), [0, 0], bool(add), bool(relu))
+        args = (blocks, indices, base, list(bp.obsize), [0, 0], bool(add), bool(relu))
+        if torch.compiler.is_exporting():  # a program holds no in-place custom op (ONNX has none): copy back
+            return base.copy_(torch.ops.sbnet.sparse_scatter(*args))
+        torch.ops.sbnet.sparse_scatter_(*args)
         return base
     return reference.sparse_scatter_(blocks, indices, base, bp, bool(add), bool(relu))

@@ -1,0 +1,216 @@
+"""Export the detector's inference network: a ``torch.export`` program (``.pt2``) and an ONNX model.
+
+:class:`DeployNet` is what is exported: BEV tensor ``[B, C, H, W]`` (+ the computation mask ``[B, 1, H, W]``
+when the mask comes from the data) -> heatmap logits and regression, through the detector's own
+:meth:`~detector.models.detector.BevDetector.sparse_maps` (the sbnet ops in the graph) with the execution
+plan frozen at export (``block_size=auto`` is planned once on the example input). The batch size and the
+number of active blocks are dynamic; the BEV grid is fixed. Decoding (top-k, NMS) stays in Python.
+
+- ``.pt2``: :func:`export_program`; :func:`load_program` loads it (it builds/loads the sbnet kernels first:
+  the program calls ``torch.ops.sbnet.*``).
+- ONNX: :func:`export_onnx` converts the program with :mod:`detector.ops.onnx`'s translations of the sbnet
+  ops into standard operators (stock onnxruntime runs it; ``pip install .[export]``).
+
+Mask sources: ``input`` (a data-side mask: road map, ground), ``net`` (the mask network inside the program),
+``none`` (dense: the same weights on the whole grid).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from detector.errors import ConfigError
+from detector.models.detector import BevDetector, DetectorOutput, masks_at_strides
+from detector.nn.plan import AUTO
+
+__all__ = ["DeployNet", "mask_source", "example_inputs", "freeze_modes", "export_program", "compile_net",
+           "graph_breaks", "load_program", "export_onnx", "OnnxRunner", "program_forward"]
+
+SOURCES = ("input", "net", "none")
+
+
+def mask_source(model: BevDetector, sparse: bool) -> str:
+    """Where the exported network's computation mask comes from, as the detector's forward decides it."""
+    if not sparse:
+        return "none"
+    return "net" if model.mask_net is not None else "input"
+
+
+class DeployNet(nn.Module):
+    """``forward(bev[, mask]) -> (heatmap, regression)``: the detector's inference maps, plan frozen."""
+
+    def __init__(self, model: BevDetector, source: str, modes: Sequence[int | str] | None) -> None:
+        super().__init__()
+        if source not in SOURCES:
+            raise ValueError(f"DeployNet: mask source must be one of {SOURCES}, got {source!r}")
+        if source == "net" and model.mask_net is None:
+            raise ConfigError("export: mask source 'net' needs a checkpoint trained with a mask net")
+        if source != "none" and (modes is None or AUTO in modes):
+            raise ValueError("DeployNet: a sparse network needs the execution modes frozen (no 'auto')")
+        self.model = model.eval()
+        self.source = source
+        self.modes = list(modes) if modes is not None else None
+
+    def forward(self, bev: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self.model
+        if self.source == "none":
+            return m.head(m.neck(m.backbone(bev)))
+        if self.source == "net":
+            mask = m.mask_net.computation_mask(m.mask_net(bev), bev.shape[-2:])
+        mask = mask.to(bev.dtype)
+        return m.sparse_maps(bev, mask, masks_at_strides(mask, m.neck.strides), self.modes)
+
+    @property
+    def takes_mask(self) -> bool:
+        return self.source == "input"
+
+
+def example_inputs(model: BevDetector, batch: int = 2, active: float = 0.3, seed: int = 0
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A BEV tensor (sparse occupancy-like values) and a mask of about ``active`` share of 16-px tiles."""
+    g = torch.Generator().manual_seed(seed)
+    bev = (torch.rand(batch, model.grid.C, model.grid.H, model.grid.W, generator=g) > 0.9).float()
+    coarse = (torch.rand(batch, 1, -(-model.grid.H // 16), -(-model.grid.W // 16), generator=g) < active).float()
+    mask = coarse.repeat_interleave(16, 2).repeat_interleave(16, 3)[:, :, : model.grid.H, : model.grid.W]
+    return bev, mask.contiguous()
+
+
+def freeze_modes(model: BevDetector, bev: torch.Tensor, mask: torch.Tensor) -> list[int | str]:
+    """The execution modes (tile or dense per sparse stage); an ``auto`` setting is planned on this input."""
+    with torch.no_grad():
+        modes, _ = model.execution_modes(tuple(bev.shape), mask, masks_at_strides(mask, model.neck.strides))
+    return list(modes)
+
+
+def _kernels() -> None:
+    from detector.ops import _library
+
+    if not _library.load():
+        raise RuntimeError(f"export: the sbnet kernels are needed ({_library.unavailable_reason('cpu')})")
+
+
+def export_program(net: DeployNet, bev: torch.Tensor, mask: torch.Tensor | None,
+                   max_batch: int = 256) -> torch.export.ExportedProgram:
+    """``torch.export`` of ``net`` on the example input; dynamic batch (1 ... ``max_batch``) and K."""
+    _kernels()
+    batch = torch.export.Dim("batch", min=1, max=max_batch)
+    args = (bev, mask) if net.takes_mask else (bev,)
+    dims = ({0: batch}, {0: batch}) if net.takes_mask else ({0: batch},)
+    with torch.no_grad():  # a no_grad region inside would otherwise become a wrapper the loader refuses
+        return torch.export.export(net, args, dynamic_shapes=dims)
+
+
+def compile_net(net: nn.Module, **kwargs) -> Callable:
+    """``torch.compile(net)``: the block counts (reduce_mask's K, the level masks' ``nonzero``) are data-dependent
+    shapes, captured in the graph (``capture_dynamic_output_shape_ops``, set here) instead of breaking it."""
+    _kernels()
+    torch._dynamo.config.capture_dynamic_output_shape_ops = True
+    return torch.compile(net, **kwargs)
+
+
+def graph_breaks(net: nn.Module, *inputs: torch.Tensor) -> tuple[int, int, list[str]]:
+    """``torch._dynamo.explain`` of ``net`` on ``inputs`` (no grad) as :func:`compile_net` traces it: graphs,
+    graph breaks and their reasons."""
+    _kernels()
+    torch._dynamo.config.capture_dynamic_output_shape_ops = True
+    with torch.no_grad():
+        ex = torch._dynamo.explain(net)(*inputs)
+    return ex.graph_count, ex.graph_break_count, [b.reason for b in ex.break_reasons]
+
+
+def load_program(path: str | Path) -> torch.export.ExportedProgram:
+    """A saved ``.pt2`` program (the sbnet kernels are loaded first: the program calls them)."""
+    _kernels()
+    return torch.export.load(str(path))
+
+
+def export_onnx(program: torch.export.ExportedProgram, out: str | Path, opset: int = 18) -> Path:
+    """The program as an ONNX model (the sbnet ops in standard operators, :mod:`detector.ops.onnx`)."""
+    from detector.ops import onnx as sbnet_onnx
+
+    if opset < sbnet_onnx.MIN_OPSET:
+        raise ConfigError(f"export: ONNX opset {opset} is too old; the sbnet translations need opset >= "
+                          f"{sbnet_onnx.MIN_OPSET}")
+    try:
+        import onnxscript  # noqa: F401
+    except ImportError:
+        raise ConfigError("export: format=onnx needs onnx and onnxscript (pip install .[export])") from None
+    onnx_program = torch.onnx.export(program, dynamo=True, custom_translation_table=sbnet_onnx.table(),
+                                     opset_version=opset, verbose=False)
+    out = Path(out)
+    onnx_program.save(str(out))
+    return out
+
+
+class OnnxRunner:
+    """An ONNX model on onnxruntime's CPU provider: ``runner(bev[, mask]) -> (heatmap, regression)``."""
+
+    def __init__(self, path: str | Path, threads: int | None = None) -> None:
+        try:
+            import onnxruntime as ort
+        except ImportError:
+            raise ConfigError("onnxruntime is not installed (pip install .[export])") from None
+        opts = ort.SessionOptions()
+        if threads:
+            opts.intra_op_num_threads = threads
+        self.path = Path(path)
+        self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        self.names = [i.name for i in self.session.get_inputs()]
+
+    def __call__(self, bev: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        feeds = {self.names[0]: bev.detach().cpu().numpy()}
+        if len(self.names) > 1:
+            feeds[self.names[1]] = mask.detach().cpu().to(bev.dtype).numpy()
+        heat, reg = self.session.run(None, feeds)
+        return torch.from_numpy(heat), torch.from_numpy(reg)
+
+
+def program_forward(model: BevDetector, run: Callable[..., tuple[torch.Tensor, torch.Tensor]], source: str
+                    ) -> Callable:
+    """A stand-in for ``model(batch)`` in evaluation that runs ``run`` (a program or an ONNX session) on the
+    batch's BEV tensor and mask: the same :class:`DetectorOutput` for decoding."""
+
+    def forward(batch) -> DetectorOutput:
+        bev = model.voxelize(batch)
+        mask = None
+        if source == "input":
+            mask = batch.mask.to(bev) if batch.mask is not None else torch.ones_like(bev[:, :1])
+        heat, reg = run(bev, mask) if mask is not None else run(bev)
+        sparsity = 0.0 if mask is None else float(1.0 - mask.mean())
+        return DetectorOutput(heat.to(bev.device), reg.to(bev.device), mask, None, sparsity)
+
+    return forward
+
+
+def exported_forward(model: BevDetector, sparse: bool, backend: str, out_dir: str | Path) -> Callable:
+    """``model(batch)`` for evaluation with ``backend`` ``export`` (a ``.pt2`` program) or ``onnx`` (onnxruntime):
+    the model is exported into ``out_dir`` first (plan frozen on the example input), then each batch runs
+    through the exported network; decoding stays the model's."""
+    if backend not in ("export", "onnx"):
+        raise ConfigError(f"backend={backend!r}: choose eager, export or onnx")
+    model = model.cpu().eval()
+    source = mask_source(model, sparse)
+    bev, mask = example_inputs(model)
+    if source == "net":
+        with torch.no_grad():
+            mask = model.mask_net.computation_mask(model.mask_net(bev), bev.shape[-2:])
+    net = DeployNet(model, source, None if source == "none" else freeze_modes(model, bev, mask))
+    program = export_program(net, bev, mask)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if backend == "export":
+        torch.export.save(program, str(out_dir / "model.pt2"))
+        run = load_program(out_dir / "model.pt2").module()
+    else:
+        run = OnnxRunner(export_onnx(program, out_dir / "model.onnx"))
+    print(f"evaluating through the {backend} backend ({out_dir}; mask {source}, plan {net.modes})")
+
+    def no_grad_run(*inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            return run(*inputs)
+
+    return program_forward(model, no_grad_run, source)
