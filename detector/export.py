@@ -97,6 +97,8 @@ def export_program(net: DeployNet, bev: torch.Tensor, mask: torch.Tensor | None,
                    max_batch: int = 256) -> torch.export.ExportedProgram:
     """``torch.export`` of ``net`` on the example input; dynamic batch (1 ... ``max_batch``) and K."""
     _kernels()
+    if bev.shape[0] < 2:  # an example of batch 1 would specialize the program to batch 1
+        bev, mask = bev.repeat(2, 1, 1, 1), None if mask is None else mask.repeat(2, 1, 1, 1)
     batch = torch.export.Dim("batch", min=1, max=max_batch)
     args = (bev, mask) if net.takes_mask else (bev,)
     dims = ({0: batch}, {0: batch}) if net.takes_mask else ({0: batch},)

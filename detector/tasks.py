@@ -224,17 +224,23 @@ def load_detector(ckpt_path: str | Path, mask_override: str | DictConfig | None 
 @torch.no_grad()
 def evaluate_checkpoint(ckpt_path: str | Path, data_cfg: DictConfig, out_dir: str | Path, split: str,
                         mask_override: str | DictConfig | None = None, write_results: bool = True,
-                        device: str | None = None) -> dict[str, Any]:
+                        device: str | None = None, backend: str = "eager") -> dict[str, Any]:
     """Run a checkpoint over ``split`` of ``data_cfg.root`` with the checkpoint's decode settings (those
     validation used); print the KITTI table; write metrics.json and (``write_results``) the KITTI result
     files ``out_dir/data`` and the ground truth they were scored against ``out_dir/label_2`` (both filtered
     by :func:`detector.module.frame_records`, the translation validation uses): ``scripts/kitti_eval.py``
     on the two folders prints the same table. Returns the metric JSON."""
     from detector.eval.kitti_metric import evaluate
+    from detector.eval.protocol import EVAL_CLASSES
 
     model, cfg = load_detector(ckpt_path, mask_override)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or ("cuda" if torch.cuda.is_available() and backend == "eager" else "cpu")
     model.to(device).eval()
+    forward = model  # backend export / onnx: the exported network (detector/export.py), decoded the same way
+    if backend != "eager":
+        from detector.export import exported_forward
+
+        forward = exported_forward(model, bool(cfg.model.sparse), backend, Path(out_dir) / backend)
     data_cfg = data_cfg.copy()
     with open_dict(data_cfg):
         data_cfg.val_split = split
@@ -254,7 +260,7 @@ def evaluate_checkpoint(ckpt_path: str | Path, data_cfg: DictConfig, out_dir: st
     model.timing = True
     for batch in loader:
         batch = batch.to(device)
-        out = model(batch)
+        out = forward(batch)
         dets = model.decode(out, **decode_kwargs(cfg.model))
         sparsity.append(out.sparsity)
         for k, v in out.times.items():
@@ -269,7 +275,7 @@ def evaluate_checkpoint(ckpt_path: str | Path, data_cfg: DictConfig, out_dir: st
                 gts.append(r.gt)
                 dts.append(r.dt)
     wall = time.perf_counter() - t0
-    eval_classes = [c for c in classes if c in ("Car", "Pedestrian", "Cyclist")]
+    eval_classes = [c for c in classes if c in EVAL_CLASSES]
     result = evaluate(gts, dts, classes=eval_classes)
     metrics = result.to_json()
     g = model.grid
@@ -305,4 +311,4 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     KittiRoot(cfg.data.root)  # clear error when the root is missing
     # ``mask=<name>`` on the command line selects eval.yaml's optional mask group (None: the checkpoint's).
     return evaluate_checkpoint(cfg.ckpt_path, cfg.data, out_dir, split=cfg.split, mask_override=cfg.get("mask"),
-                               write_results=cfg.write_results)
+                               write_results=cfg.write_results, backend=cfg.get("backend", "eager"))

@@ -1,0 +1,149 @@
+"""Inference ms/frame of the exported detector on the CPU: eager, torch.compile, the .pt2 program, onnxruntime.
+
+    python scripts/bench_export.py [bevs=small,kitti] [frames=4] [reps=5] [root=data/sim_kitti]
+                                   [backends=eager,compile,pt2,onnx] [out=benchmarks/export_cpu]
+
+The CPU training config's model (configs/model/sparse.yaml, random weights, eval mode) on the first ``frames``
+val frames of ``root`` one at a time (batch 1), sparse on the frames' road-map masks and dense (mask=none), through
+each backend: eager PyTorch (the network the programs are exported from, plan frozen on the first frame),
+``torch.compile`` (inductor, dynamic shapes, the block counts captured in the graph), the ``torch.export``
+program (``ExportedProgram.module()``) and the ONNX model on onnxruntime's CPU provider (the sbnet ops in
+standard operators). Time = network only (BEV tensor + mask -> heatmap + regression): median over ``reps``
+passes over the frames, after one warm-up pass. Outputs are checked against eager (max abs difference).
+Writes ``out``.json and ``out``.md with the CPU model, threads and the allocator settings (use the Makefile's
+``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=4000000000``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+
+from detector.cli import parse_args
+from detector.export import DeployNet, OnnxRunner, compile_net, export_onnx, export_program, freeze_modes
+from detector.tasks import build_datamodule, build_grid, build_model
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def frames(bev: str, root: str, n: int):
+    with initialize_config_dir(str(REPO / "configs"), version_base="1.3"):
+        cfg = compose("train", overrides=[f"bev={bev}", f"data.root={root}", "data.num_workers=0",
+                                          "data.augment=null", "data.eval_batch_size=1", "paths.output_dir=/tmp/be"])
+    grid = build_grid(cfg.bev)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, cfg.mask, grid).eval()
+    dm = build_datamodule(cfg.data, cfg.mask, grid, True)
+    out = []
+    with torch.no_grad():
+        for batch in dm.val_dataloader():
+            out.append((model.voxelize(batch), batch.mask.to(torch.float32)))
+            if len(out) == n:
+                break
+    return model, out
+
+
+def timed(fn, inputs, reps: int) -> float:
+    with torch.no_grad():
+        for x in inputs:
+            fn(*x)
+        runs = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for x in inputs:
+                fn(*x)
+            runs.append((time.perf_counter() - t0) / len(inputs))
+    runs.sort()
+    return 1000 * runs[len(runs) // 2]
+
+
+def bench(bev: str, args: dict, tmp: Path) -> list[dict]:
+    model, data = frames(bev, args["root"], int(args["frames"]))
+    rows = []
+    for variant in ("sparse", "dense"):
+        source = "input" if variant == "sparse" else "none"
+        modes = freeze_modes(model, *data[0]) if variant == "sparse" else None
+        net = DeployNet(model, source, modes)
+        inputs = [x if variant == "sparse" else x[:1] for x in data]
+        with torch.no_grad():
+            refs = [net(*x) for x in inputs]
+        program = export_program(net, *data[0]) if {"pt2", "onnx"} & set(args["backends"]) else None
+        for backend in args["backends"]:
+            t0 = time.perf_counter()
+            try:
+                if backend == "eager":
+                    fn = net
+                elif backend == "compile":
+                    fn = compile_net(net, dynamic=True)
+                elif backend == "pt2":
+                    fn = program.module()
+                else:
+                    fn = OnnxRunner(export_onnx(program, tmp / f"{bev}_{variant}.onnx"))
+                with torch.no_grad():
+                    err = max(float((a - torch.as_tensor(b)).abs().max()) for x, r in zip(inputs, refs, strict=True)
+                              for a, b in zip(r, fn(*x), strict=True))
+                prep = time.perf_counter() - t0
+                ms = timed(fn, inputs, int(args["reps"]))
+                row = {"bev": bev, "variant": variant, "backend": backend, "ms_per_frame": round(ms, 2),
+                       "max_abs_diff_vs_eager": err, "prepare_s": round(prep, 1), "plan": modes}
+            except Exception as e:  # noqa: BLE001 - a backend that fails is reported, not hidden
+                row = {"bev": bev, "variant": variant, "backend": backend, "error": f"{type(e).__name__}: {e}"[:300]}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def main() -> None:
+    args = parse_args(None, {"bevs": "small,kitti", "frames": 4, "reps": 5, "root": "data/sim_kitti",
+                             "backends": "eager,compile,pt2,onnx", "out": "benchmarks/export_cpu"}, __doc__)
+    args["backends"] = args["backends"].split(",")
+    meta = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "allocator": {k: os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")},
+            "frames": int(args["frames"]), "reps": int(args["reps"]), "root": args["root"], "batch": 1}
+    try:
+        import onnxruntime
+
+        meta["onnxruntime"] = onnxruntime.__version__
+    except ImportError:
+        pass
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for bev in args["bevs"].split(","):
+            rows += bench(bev, args, Path(tmp))
+    out = Path(args["out"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    lines = [f"# Exported detector, CPU inference ({meta['cpu']}, {meta['threads']} threads, torch {meta['torch']}, "
+             f"onnxruntime {meta.get('onnxruntime')}, allocator {meta['allocator']})", "",
+             f"`python scripts/bench_export.py` - batch 1, median of {meta['reps']} passes over {meta['frames']} "
+             "val frames (road-map masks); ms/frame of the network (BEV + mask -> heatmap + regression).", "",
+             "| bev | variant | backend | ms/frame | max abs diff vs eager | prepare s |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['bev']} | {r['variant']} | {r['backend']} | failed: {r['error'][:120]} | | |")
+        else:
+            lines.append(f"| {r['bev']} | {r['variant']} | {r['backend']} | {r['ms_per_frame']:.1f} | "
+                         f"{r['max_abs_diff_vs_eager']:.1e} | {r['prepare_s']} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}.json and {out}.md")
+
+
+if __name__ == "__main__":
+    main()

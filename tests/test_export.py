@@ -1,0 +1,164 @@
+"""Export of a trained tiny checkpoint: the .pt2 program and the ONNX model (onnxruntime) equal the eager
+network within 1e-4 (fp32), sparse and dense, batch 1 and 3, an all-zero mask; the command's bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from detector.commands.export import main as export_main
+from detector.export import (
+    DeployNet,
+    OnnxRunner,
+    compile_net,
+    export_onnx,
+    export_program,
+    freeze_modes,
+    graph_breaks,
+    load_program,
+)
+from detector.tasks import load_detector, train
+
+from .test_train import _cfg
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory, tiny_root) -> Path:
+    """Two training steps of the tiny model with two units in a stage (an identity unit: the residual pair)."""
+    out = tmp_path_factory.mktemp("export_ckpt")
+    cfg = _cfg(out / "run", tiny_root, "trainer.max_steps=2", "callbacks.model_checkpoint.monitor=null",
+               "evaluate_after=false", "logger=none", "model.backbone.stage_units=[1,2,1,1]")
+    return Path(train(cfg)["best_ckpt"])
+
+
+def _inputs(model, batch: int, kind: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    C, H, W = model.grid.C, model.grid.H, model.grid.W
+    bev = (torch.rand(batch, C, H, W, generator=g) > 0.8).float() * torch.rand(batch, C, H, W, generator=g)
+    if kind == "zero":
+        mask = torch.zeros(batch, 1, H, W)
+    elif kind == "ones":
+        mask = torch.ones(batch, 1, H, W)
+    else:  # blobs of ~10 % of the pixels, touching the map borders too
+        mask = (torch.rand(batch, 1, H // 8, W // 8, generator=g) > 0.9).float()
+        mask = torch.nn.functional.interpolate(mask, size=(H, W), mode="nearest")
+        mask[:, :, -3:, -5:] = 1.0
+    return bev, mask
+
+
+def _err(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> float:
+    return max(float((x - torch.as_tensor(y)).abs().max()) for x, y in zip(a, b, strict=True))
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_ckpt, tmp_path_factory):
+    """Sparse (data mask as input) and dense programs and ONNX models of the tiny checkpoint."""
+    out = tmp_path_factory.mktemp("exported")
+    model, _ = load_detector(tiny_ckpt)
+    model.eval()
+    result = {}
+    for source in ("input", "none"):
+        bev, mask = _inputs(model, 2, "sparse")
+        modes = None if source == "none" else freeze_modes(model, bev, mask)
+        net = DeployNet(model, source, modes)
+        program = export_program(net, bev, mask)
+        torch.export.save(program, str(out / f"{source}.pt2"))
+        export_onnx(program, out / f"{source}.onnx")
+        result[source] = (net, load_program(out / f"{source}.pt2").module(), OnnxRunner(out / f"{source}.onnx"))
+    return model, result
+
+
+@pytest.mark.parametrize("kind", ["sparse", "zero", "ones"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_sparse_exports_equal_eager(exported, batch, kind):
+    model, result = exported
+    net, program, onnx = result["input"]
+    bev, mask = _inputs(model, batch, kind, seed=batch)
+    with torch.no_grad():
+        ref = net(bev, mask)
+        got_pt2, got_onnx = program(bev, mask), onnx(bev, mask)
+    assert ref[0].shape == (batch, 1, model.out_grid.H, model.out_grid.W)
+    assert _err(ref, got_pt2) <= TOL
+    assert _err(ref, got_onnx) <= TOL
+    if kind == "zero":  # nothing computed: the head's biases everywhere
+        assert torch.allclose(ref[0], model.head.heatmap.bias.view(1, -1, 1, 1).expand_as(ref[0]), atol=1e-6)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_dense_exports_equal_eager(exported, batch):
+    model, result = exported
+    net, program, onnx = result["none"]
+    bev, _ = _inputs(model, batch, "sparse", seed=10 + batch)
+    with torch.no_grad():
+        ref = net(bev)
+        eager_dense = model.head(model.neck(model.backbone(bev)))
+        got_pt2, got_onnx = program(bev), onnx(bev)
+    assert _err(ref, eager_dense) == 0.0
+    assert _err(ref, got_pt2) <= TOL
+    assert _err(ref, got_onnx) <= TOL
+
+
+def test_sparse_program_has_the_sbnet_ops_and_a_dynamic_block_count(exported):
+    _, result = exported
+    program = result["input"][1]
+    targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    assert {"sbnet.reduce_mask.default", "sbnet.sparse_gather.default", "sbnet.sparse_scatter.default"} <= targets
+
+
+def test_onnx_model_uses_only_standard_operators(exported):
+    import onnx
+
+    _, result = exported
+    model = onnx.load(result["input"][2].path)
+    domains = {n.domain for n in model.graph.node} | {n.domain for f in model.functions for n in f.node}
+    assert domains <= {"", "ai.onnx"}
+    ops = {n.op_type for n in model.graph.node} | {n.op_type for f in model.functions for n in f.node}
+    assert {"NonZero", "Gather", "ScatterND", "Conv"} <= ops
+
+
+def test_export_command_and_bad_input(tiny_ckpt, tmp_path, capsys):
+    out = tmp_path / "m.pt2"
+    assert export_main([f"ckpt_path={tiny_ckpt}", "format=torch", f"out={out}"]) == 0
+    text = capsys.readouterr().out
+    assert out.is_file() and "max |export - eager|" in text
+    assert float(text.split("max |export - eager| on the example input: ")[1].split()[0]) <= TOL
+    assert export_main([f"ckpt_path={tiny_ckpt}", "format=tflite"]) == 1
+    assert capsys.readouterr().err.strip().count("\n") == 0
+    assert export_main([f"ckpt_path={tiny_ckpt}", "format=onnx", f"out={tmp_path / 'm.onnx'}", "opset=13"]) == 1
+    err = capsys.readouterr().err
+    assert "opset 13 is too old" in err and err.strip().count("\n") == 0
+    bad = tmp_path / "bad.ckpt"
+    torch.save({"state_dict": {}}, bad)
+    assert export_main([f"ckpt_path={bad}"]) == 1
+    assert "no saved config" in capsys.readouterr().err
+
+
+def test_compile_has_no_graph_break_and_equals_eager(exported):
+    model, result = exported
+    net = result["input"][0]
+    bev, mask = _inputs(model, 2, "sparse", seed=5)
+    graphs, breaks, reasons = graph_breaks(net, bev, mask)
+    assert (graphs, breaks) == (1, 0), reasons
+    compiled = compile_net(net, backend="aot_eager", dynamic=True)
+    for batch, kind in ((2, "sparse"), (3, "zero")):
+        bev, mask = _inputs(model, batch, kind, seed=7)
+        with torch.no_grad():
+            assert _err(net(bev, mask), compiled(bev, mask)) <= TOL
+
+
+def test_evaluate_backends_give_the_eager_table(tiny_ckpt, tiny_root, tmp_path):
+    from detector.tasks import evaluate_checkpoint
+
+    data_cfg = _cfg(tmp_path / "cfg", tiny_root).data
+    eager = evaluate_checkpoint(tiny_ckpt, data_cfg, tmp_path / "eager", split="val", device="cpu")
+    for backend in ("export", "onnx"):
+        got = evaluate_checkpoint(tiny_ckpt, data_cfg, tmp_path / backend, split="val", backend=backend)
+        assert (tmp_path / backend / backend / f"model.{'pt2' if backend == 'export' else 'onnx'}").is_file()
+        assert got["Car"] == eager["Car"]
+        files = sorted((tmp_path / "eager" / "data").iterdir())
+        assert files and [f.read_text() for f in files] == [
+            (tmp_path / backend / "data" / f.name).read_text() for f in files]
