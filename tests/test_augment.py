@@ -19,10 +19,10 @@ from detector.data.augment import (
     ObjectNoise,
     bev_boxes_overlap,
 )
-from detector.data.gt_database import GtDatabase, kitti_difficulty
+from detector.data.gt_database import GtDatabase
 from detector.data.kitti import KittiRoot, write_imageset, write_points
 from detector.data.kitti_camera import boxes_to_labels
-from detector.data.kitti_labels import write_label
+from detector.data.kitti_labels import read_label, write_label
 from detector.data.road_map import RoadMap
 from detector.data.structures import Frame
 from detector.geometry.boxes import Boxes3D
@@ -362,15 +362,19 @@ def test_gt_database_build_cache_and_rebuild(tmp_path, monkeypatch):
     assert calls == [1, 1]
 
 
-def test_kitti_difficulty():
-    calib = make_calib()
-    f = make_scene(1, n_boxes=3)
-    labels = boxes_to_labels(f.gt_boxes, f.gt_names, calib)
+def test_gt_database_difficulty_is_the_metrics_rule(tmp_path):
+    """A 2D box exactly at a level's minimum height is below that level (the devkit's rule, R3)."""
+    ids = write_root(tmp_path, n_frames=1)
+    path = tmp_path / "training" / "label_2" / f"{ids[0]}.txt"
+    labels = read_label(path)
     labels.bbox[:, 1] = 100
-    labels.bbox[:, 3] = [150, 130, 110]  # heights 50, 30, 10 px
-    assert kitti_difficulty(labels).tolist() == [0, 1, -1]
+    labels.bbox[:, 3] = [140, 125, 140.5, 125.5, 110]  # heights 40, 25, 40.5, 25.5, 10 px
+    write_label(path, labels)
+    db = GtDatabase.build(KittiRoot(tmp_path), ids)
+    assert db.difficulty.tolist() == [1, -1, 0, 1, -1]
     labels.occluded[:] = 2
-    assert kitti_difficulty(labels).tolist() == [2, 2, -1]
+    write_label(path, labels)
+    assert GtDatabase.build(KittiRoot(tmp_path), ids).difficulty.tolist() == [2, -1, 2, 2, -1]
 
 
 def test_real_kitti_gt_sampling(kitti_real, tmp_path):

@@ -18,7 +18,7 @@ from detector.data.kitti_camera import (
     labels_to_boxes,
     project_to_image,
 )
-from detector.data.kitti_labels import CLASSES, difficulty, read_label, write_label
+from detector.data.kitti_labels import OBJECT_TYPES, difficulty, read_label, write_label
 from detector.data.road_map import RoadMap, read_road_map, write_road_map
 from detector.data.structures import collate_frames
 from detector.errors import KittiFormatError
@@ -58,7 +58,7 @@ def test_label_every_class_and_round_trip(tmp_path):
     p = tmp_path / "a.txt"
     p.write_text(LABEL_TEXT)
     lab = read_label(p)
-    assert list(lab.name) == list(CLASSES)
+    assert list(lab.name) == list(OBJECT_TYPES)
     assert lab.score is None
     assert lab.occluded.tolist() == [0, 1, 0, 0, 2, 3, 0, 0, -1]
     np.testing.assert_allclose(lab.bbox[0], [587.01, 173.33, 614.12, 200.12], atol=1e-4)
@@ -235,7 +235,7 @@ def test_root_reads_frames_and_collates(tmp_path):
     assert len(ds) == 3
     f = ds[1]
     assert f.frame_id == ids[1] and f.points.shape == (100, 4)
-    assert list(f.gt_names) == [c for c in CLASSES if c != "DontCare"]
+    assert list(f.gt_names) == [c for c in OBJECT_TYPES if c != "DontCare"]
     assert len(f.labels) == 9
     b = collate_frames([ds[0], ds[2]])
     assert b.points.shape == (200, 5) and b.points[:100, 0].eq(0).all() and b.points[100:, 0].eq(1).all()

@@ -26,7 +26,7 @@ from detector.cli import parse_args
 from detector.errors import KittiFormatError
 from detector.eval.kitti_files import load_eval_inputs
 from detector.eval.kitti_metric import evaluate
-from detector.eval.protocol import CLASSES, DISTANCE_RANGES
+from detector.eval.protocol import DISTANCE_RANGES, EVAL_CLASSES
 
 USAGE = __doc__
 
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
             "results": None,
             "split": None,
             "out": None,
-            "classes": ",".join(CLASSES),
+            "classes": ",".join(EVAL_CLASSES),
             "distance": True,
         },
         USAGE,
@@ -49,9 +49,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {key}= is required (see --help)", file=sys.stderr)
             return 2
     classes = tuple(c.strip() for c in args["classes"].split(",") if c.strip())
-    unknown = [c for c in classes if c not in CLASSES]
+    unknown = [c for c in classes if c not in EVAL_CLASSES]
     if unknown or not classes:
-        print(f"error: classes={args['classes']!r}: choose from {', '.join(CLASSES)}", file=sys.stderr)
+        print(f"error: classes={args['classes']!r}: choose from {', '.join(EVAL_CLASSES)}", file=sys.stderr)
         return 2
     try:
         inputs = load_eval_inputs(args["gt"], args["results"], args["split"])

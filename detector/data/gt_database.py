@@ -19,23 +19,11 @@ import numpy as np
 import torch
 
 from detector.data.kitti import KittiRoot
-from detector.data.kitti_labels import KittiLabels
+from detector.data.kitti_labels import difficulty as label_difficulty
 from detector.geometry.boxes import points_in_boxes_sparse
 
-_VERSION = "gtdb-1"
+_VERSION = "gtdb-2"  # 2: difficulty by the metric's rule (height > the minimum, not >=)
 DEFAULT_CLASSES = ("Car", "Pedestrian", "Cyclist")
-
-
-def kitti_difficulty(labels: KittiLabels) -> np.ndarray:
-    """[N] int8: 0 easy, 1 moderate, 2 hard, -1 none (KITTI's rules: 2D box height >= 40 / 25 / 25 px,
-    occlusion <= 0 / 1 / 2, truncation <= 0.15 / 0.3 / 0.5); the easiest level an object meets."""
-    height = labels.bbox[:, 3] - labels.bbox[:, 1]
-    out = np.full(len(labels), -1, dtype=np.int8)
-    levels = [(40, 0, 0.15), (25, 1, 0.3), (25, 2, 0.5)]  # (min 2D height px, max occlusion, max truncation)
-    for level, (min_h, max_occ, max_trunc) in reversed(list(enumerate(levels))):
-        ok = (height >= min_h) & (labels.occluded <= max_occ) & (labels.truncated <= max_trunc)
-        out[ok] = level
-    return out
 
 
 @dataclass
@@ -83,7 +71,7 @@ class GtDatabase:
                 counts.append(len(idx))
             boxes.append(b.numpy().astype(np.float32))
             names.append(f.gt_names[keep])
-            diff.append(kitti_difficulty(labels)[keep])
+            diff.append(label_difficulty(labels)[keep])  # the metric's rule (kitti_labels.difficulty)
             fids.append(np.full(int(keep.sum()), fid, dtype="<U16"))
         offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
         return cls(

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from detector.data.kitti_labels import (
-    CLASSES,
+    OBJECT_TYPES,
     KittiFormatError,
     KittiLabels,
     fields_valid,
@@ -75,7 +75,7 @@ def _parse(blobs: list[bytes], n_fields: int) -> list[KittiLabels] | None:
     if values is None:
         return None
     a = values.reshape(n_rec, n_fields - 1)
-    names = np.asarray(CLASSES, dtype="<U16")[name_idx]
+    names = np.asarray(OBJECT_TYPES, dtype="<U16")[name_idx]
     if not fields_valid(names, a):
         return None
     file_of = np.searchsorted(np.cumsum(sizes), starts[first], side="right")
@@ -87,10 +87,10 @@ def _parse(blobs: list[bytes], n_fields: int) -> list[KittiLabels] | None:
 
 
 def _names(b: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray | None:
-    """Index into CLASSES of each name token, or None if one is not a class name (byte for byte)."""
+    """Index into OBJECT_TYPES of each name token, or None if one is not a class name (byte for byte)."""
     idx = np.full(starts.size, -1)
     length = ends - starts
-    for k, name in enumerate(CLASSES):
+    for k, name in enumerate(OBJECT_TYPES):
         code = np.frombuffer(name.encode(), np.uint8)
         cand = np.flatnonzero(length == code.size)
         same = (b[starts[cand, None] + np.arange(code.size)] == code).all(axis=1)

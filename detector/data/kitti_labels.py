@@ -17,8 +17,9 @@ import numpy as np
 
 from detector.errors import KittiFormatError
 
-CLASSES = ("Car", "Van", "Truck", "Pedestrian", "Person_sitting", "Cyclist", "Tram", "Misc", "DontCare")
-_CLASS_SET = frozenset(CLASSES)
+# The object types a KITTI label may name (the classes the metric evaluates: detector.eval.protocol.EVAL_CLASSES).
+OBJECT_TYPES = ("Car", "Van", "Truck", "Pedestrian", "Person_sitting", "Cyclist", "Tram", "Misc", "DontCare")
+_CLASS_SET = frozenset(OBJECT_TYPES)
 IMAGE_SIZE = (1242, 375)  # (width, height) of KITTI's left colour camera, used where no image is at hand
 
 
@@ -162,8 +163,8 @@ def _raise_first_bad_line(numbered: list[tuple[int, list[str]]], path: str | Pat
             n_fields = len(f)
         elif len(f) != n_fields:
             raise KittiFormatError(path, f"{len(f)} fields where earlier lines have {n_fields}", i)
-        if f[0] not in CLASSES:
-            raise KittiFormatError(path, f"unknown object type {f[0]!r} (expected one of {', '.join(CLASSES)})", i)
+        if f[0] not in OBJECT_TYPES:
+            raise KittiFormatError(path, f"unknown object type {f[0]!r} (expected one of {', '.join(OBJECT_TYPES)})", i)
         for k, v in enumerate(f[1:], start=2):
             try:
                 float(v)

@@ -28,8 +28,8 @@ from detector.eval.overlap import (
     overlap_from_intersection,
 )
 from detector.eval.protocol import (
-    CLASSES,
     DISTANCE_RANGES,
+    EVAL_CLASSES,
     KITTI_LEVELS,
     METRICS,
     MIN_OVERLAP,
@@ -255,7 +255,7 @@ def _class_data(
 def evaluate(
     gt: Sequence[KittiLabels],
     dt: Sequence[KittiLabels],
-    classes: Sequence[str] = CLASSES,
+    classes: Sequence[str] = EVAL_CLASSES,
     metrics: Sequence[str] = METRICS,
     distance_ranges: Sequence[tuple[float, float]] | None = DISTANCE_RANGES,
     min_overlap: Mapping[str, float] | None = None,

@@ -77,7 +77,7 @@ import numpy as np
 
 from detector.data.kitti_labels import DIFFICULTY_LEVELS
 
-CLASSES = ("Car", "Pedestrian", "Cyclist")
+EVAL_CLASSES = ("Car", "Pedestrian", "Cyclist")
 MIN_OVERLAP = {"Car": 0.7, "Pedestrian": 0.5, "Cyclist": 0.5}
 NEIGHBOUR = {"Car": "Van", "Pedestrian": "Person_sitting"}
 METRICS = ("2d", "bev", "3d", "aos")
