@@ -231,6 +231,7 @@ def evaluate_checkpoint(ckpt_path: str | Path, data_cfg: DictConfig, out_dir: st
     by :func:`detector.module.frame_records`, the translation validation uses): ``scripts/kitti_eval.py``
     on the two folders prints the same table. Returns the metric JSON."""
     from detector.eval.kitti_metric import evaluate
+    from detector.eval.protocol import EVAL_CLASSES
 
     model, cfg = load_detector(ckpt_path, mask_override)
     device = device or ("cuda" if torch.cuda.is_available() and backend == "eager" else "cpu")
@@ -274,7 +275,7 @@ def evaluate_checkpoint(ckpt_path: str | Path, data_cfg: DictConfig, out_dir: st
                 gts.append(r.gt)
                 dts.append(r.dt)
     wall = time.perf_counter() - t0
-    eval_classes = [c for c in classes if c in ("Car", "Pedestrian", "Cyclist")]
+    eval_classes = [c for c in classes if c in EVAL_CLASSES]
     result = evaluate(gts, dts, classes=eval_classes)
     metrics = result.to_json()
     g = model.grid
