@@ -38,22 +38,13 @@ from detector.eval.kitti_files import load_eval_inputs, write_results
 from detector.eval.kitti_metric import EvalTimings, evaluate
 from detector.eval.protocol import DISTANCE_RANGES
 from detector.eval.synthetic import synthetic_set
+from detector.machine import cpu_model
 
 USAGE = __doc__
 
 
 def _load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _cli(n_frames: int, dets: int, seed: int, repeats: int) -> dict:
@@ -155,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {
             "cpus": os.cpu_count(),
             "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-            "processor": _cpu_model(),
+            "processor": cpu_model(),
             "env": {k: os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "OMP_NUM_THREADS",
                                                    "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")},
             "threads": "NumPy only, single-threaded (no BLAS in the metric)",
@@ -182,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         f"KITTI evaluation on the CPU: {n_frames} frames, {stats['gt_objects_per_frame']:.2f} GT objects + "
         f"{stats['dontcare_per_frame']:.2f} DontCare / frame, "
         f"{stats['detections_per_frame']:.0f} detections / frame",
-        f"machine: {_cpu_model()}, {os.cpu_count()} CPUs, load average {load_before} before, {load_after} after "
+        f"machine: {cpu_model()}, {os.cpu_count()} CPUs, load average {load_before} before, {load_after} after "
         "(shared machine: timings are noisy); "
         f"MALLOC_MMAP_MAX_={os.environ.get('MALLOC_MMAP_MAX_')} "
         f"MALLOC_TRIM_THRESHOLD_={os.environ.get('MALLOC_TRIM_THRESHOLD_')}; the metric is single-threaded NumPy",

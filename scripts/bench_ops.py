@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from detector.cli import parse_args
+from detector.machine import cpu_model
 from detector.ops import BlockParams, _library, calc_block_params, sparse_gather, sparse_scatter
 
 
@@ -194,8 +195,7 @@ def main(argv=None) -> None:
     rows = [row for frac in fracs for row in bench_fraction(x, bp, frac, args.reps, gen)]
     rows += [row for frac in fracs for row in bench_nhwc(x, bp, frac, args.reps, gen)]
 
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.machine()) if Path("/proc/cpuinfo").exists() else ""
+    cpu = cpu_model()
     env = (f"MALLOC_MMAP_MAX_={os.environ.get('MALLOC_MMAP_MAX_', 'unset')}, "
            f"MALLOC_TRIM_THRESHOLD_={os.environ.get('MALLOC_TRIM_THRESHOLD_', 'unset')}")
     title = (f"sbnet CPU kernels vs naive torch (NCHW rows) and vs the torch index ops they replace (NHWC rows), "

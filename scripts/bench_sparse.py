@@ -61,6 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from detector.cli import parse_args
+from detector.machine import cpu_model
 from detector.nn.block_pass import BlockPass
 from detector.nn.chain import SparseConvChain, zeros_in_layout
 from detector.nn.geometry import BlockSpan, level_masks
@@ -236,14 +237,7 @@ def tile_pixels(bp, idx: torch.Tensor, N: int) -> torch.Tensor:
 
 
 def environment() -> dict[str, object]:
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     return {
         "malloc_mmap_max": os.environ.get("MALLOC_MMAP_MAX_", "unset"),
         "malloc_trim_threshold": os.environ.get("MALLOC_TRIM_THRESHOLD_", "unset"),

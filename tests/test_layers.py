@@ -20,8 +20,8 @@ PACKAGE = ROOT / "detector"
 
 LAYERS: list[tuple[str, ...]] = [
     # the floor: error types and their one-line report, where the non-Python folders are, key=value
-    # arguments, config type checks; they import nothing of ours above them
-    ("detector.errors", "detector.resources", "detector.cli", "detector.config"),
+    # arguments, config type checks, the machine's description; they import nothing of ours above them
+    ("detector.errors", "detector.resources", "detector.cli", "detector.config", "detector.machine"),
     # the geometry floor: Boxes3D, BevGrid + voxelize, box masks and morphology, exact IoU (torch, NumPy only)
     ("detector.geometry",),
     ("detector.ops",),  # the sparse-block ops (compiled kernels and their reference)
@@ -29,7 +29,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("detector.data",),  # KITTI files, frames and batches, datasets, augmentation, masks from data, loaders
     ("detector.sim",),  # the LiDAR simulator: writes KITTI-format data
     ("detector.models",),  # the detector: plain nn.Modules
-    ("detector.eval", "detector.viz"),  # the KITTI metric; BEV pictures
+    # the KITTI metric; BEV pictures; the inference network as a .pt2 / ONNX program; memory estimates
+    ("detector.eval", "detector.viz", "detector.export", "detector.memory"),
     ("detector.module", "detector.callbacks", "detector.batch_size"),  # Lightning plumbing
     ("detector.tasks",),  # train(cfg) / evaluate(cfg)
     ("detector.commands",),  # the command-line programs
