@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from hydra import compose, initialize_config_dir
 
 from detector.cli import parse_args
 from detector.export import DeployNet, OnnxRunner, compile_net, export_onnx, export_program, freeze_modes
+from detector.machine import cpu_model
 from detector.tasks import build_datamodule, build_grid, build_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,16 +98,6 @@ def bench(bev: str, args: dict, tmp: Path) -> list[dict]:
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def main() -> None:
