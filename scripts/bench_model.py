@@ -41,6 +41,7 @@ from hydra.utils import instantiate
 from detector.cli import parse_args
 from detector.data.datamodule import collate
 from detector.data.structures import collate_frames
+from detector.machine import cpu_model
 from detector.models.losses import mask_loss
 from detector.models.mask_quality import TILE_STRIDES, box_recall, class_boxes, tile_activity
 from detector.tasks import build_datamodule, build_grid, build_model
@@ -191,8 +192,7 @@ def main(argv=None) -> int:
             print(f"  mask={mask:<9} batch={b}  {row['ms_per_frame']:8.1f} ms/frame  sparsity {row['sparsity']:.3f}  "
                   f"speedup {row['speedup_vs_dense']:.2f}x   [{sh}]  tiles {list(row['tiles'].values())}  "
                   f"recall {row['mask_recall']}  plans {row['plans']}")
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").is_file() else ""
+    cpu = cpu_model()
     meta = {"machine": f"{platform.machine()}, {cpu}, {os.cpu_count()} CPUs", "torch": torch.__version__,
             "device": args["device"], "dtype": args["dtype"],
             "threads": torch.get_num_threads(), "load_avg": os.getloadavg(),
