@@ -237,13 +237,19 @@ def observation_angle(location: np.ndarray, rotation_y: np.ndarray) -> np.ndarra
 DIFFICULTY_LEVELS = {"easy": (40.0, 0, 0.15), "moderate": (25.0, 1, 0.30), "hard": (25.0, 2, 0.50)}
 
 
+def counted_at_level(height, occluded, truncated, level: tuple[float, float, float]):
+    """The protocol's rule R3 (:mod:`detector.eval.protocol`) on arrays: an object counts at ``level`` =
+    (min 2D height, max occlusion, max truncation) iff its 2D height EXCEEDS the minimum (a box of exactly
+    40.00 px is not easy, as in the devkit) and its occlusion and truncation are at most the maxima."""
+    min_height, max_occlusion, max_truncation = level
+    return (height > min_height) & (occluded <= max_occlusion) & (truncated <= max_truncation)
+
+
 def difficulty(labels: KittiLabels) -> np.ndarray:
     """Easiest KITTI level of each object: 0 easy, 1 moderate, 2 hard, -1 none (levels are cumulative:
-    an easy object also counts for moderate and hard). As in the devkit, a box of exactly the minimum
-    height (40.00 px for easy) is below the level."""
+    an easy object also counts for moderate and hard); :func:`counted_at_level` decides."""
     height = labels.bbox[:, 3] - labels.bbox[:, 1]
     out = np.full(len(labels), -1, dtype=np.int8)
-    for lvl, (min_h, max_occ, max_trunc) in reversed(list(enumerate(DIFFICULTY_LEVELS.values()))):
-        ok = (height > min_h) & (labels.occluded <= max_occ) & (labels.truncated <= max_trunc)
-        out[ok] = lvl
+    for lvl, level in reversed(list(enumerate(DIFFICULTY_LEVELS.values()))):
+        out[counted_at_level(height, labels.occluded, labels.truncated, level)] = lvl
     return out

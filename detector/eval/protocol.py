@@ -75,7 +75,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from detector.data.kitti_labels import DIFFICULTY_LEVELS
+from detector.data.kitti_labels import DIFFICULTY_LEVELS, counted_at_level
 
 EVAL_CLASSES = ("Car", "Pedestrian", "Cyclist")
 MIN_OVERLAP = {"Car": 0.7, "Pedestrian": 0.5, "Cyclist": 0.5}
@@ -109,7 +109,7 @@ class Level:
 
     def gt_counted(self, height, occluded, truncated):
         """R3 on arrays (the distance range is checked by the caller)."""
-        return (height > self.min_height) & (occluded <= self.max_occlusion) & (truncated <= self.max_truncation)
+        return counted_at_level(height, occluded, truncated, (self.min_height, self.max_occlusion, self.max_truncation))
 
     def det_ignored(self, height):
         """R4 on arrays: abs(2D height) strictly below the minimum."""
