@@ -94,7 +94,7 @@ def quantize_boxes(boxes: np.ndarray, calib: Calibration) -> np.ndarray:
         return boxes
     loc, dims, ry = boxes_to_camera(Boxes3D(boxes), calib)
     loc, dims = np.round(loc, 2), np.round(dims, 2)
-    ry = np.round(ry, 2)  # to_camera gives [-pi, pi): rounding stays within [-3.14, 3.14]
+    ry = np.round(ry, 2)  # boxes_to_camera gives [-pi, pi): rounding stays within [-3.14, 3.14]
     return boxes_from_camera(loc, dims, ry, calib).tensor.numpy()
 
 
