@@ -29,6 +29,7 @@ from omegaconf import open_dict
 
 from detector.cli import parse_args
 from detector.eval.kitti_metric import evaluate
+from detector.machine import cpu_model
 from detector.models.mask_quality import TILE_STRIDES, box_recall, class_boxes, tile_activity
 from detector.module import frame_records
 from detector.tasks import build_datamodule, decode_kwargs, load_detector
@@ -151,7 +152,7 @@ def main(argv=None) -> int:
         print(f"  {name:<10} BEV {r['ap_bev_moderate']:6.2f} 3D {r['ap_3d_moderate']:6.2f}  recall "
               f"{r.get('mask_recall') or 0:.3f}  tiles {[round(v, 2) for v in t.values()]}  {r['ms_per_frame']:.1f} "
               f"ms/frame  {rows[-1]['speedup_vs_dense']:.2f}x", flush=True)
-    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.processor() or ''}".strip(", "),
+    meta = {"machine": f"{platform.machine()}, {cpu_model()}, {os.cpu_count()} CPUs",
             "torch": torch.__version__, "threads": torch.get_num_threads(), "load_avg": os.getloadavg(),
             "env": {k: os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")},
             "checkpoint": str(args["ckpt_path"]), "grid": [model.grid.H, model.grid.W],

@@ -31,8 +31,9 @@ def main(argv=None) -> int:
 
     import torch
 
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").is_file() else ""
+    from detector.machine import cpu_model
+
+    cpu = cpu_model()
     result: dict = {"wall_s": {}, "runs": {}, "load_avg_before": os.getloadavg(),
                     "machine": f"{platform.machine()}, {cpu}, {os.cpu_count()} CPUs",
                     "threads": torch.get_num_threads(), "torch": torch.__version__,

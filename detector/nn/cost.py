@@ -36,6 +36,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from detector.machine import cpu_model
+
 from .geometry import chain_geometry
 
 __all__ = ["CostModel", "calibrate", "load_or_calibrate", "cost_key", "default_cost_file", "CALIBRATION_SHAPES"]
@@ -194,20 +196,10 @@ def calibrate(device: str | torch.device = "cpu", dtype: torch.dtype = torch.flo
 
 
 # ------------------------------------------------------------------------------------------------ cache
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def cost_key(device: str | torch.device, dtype: torch.dtype) -> dict:
     """What a calibration depends on: machine, torch, threads, device, dtype, the shape set."""
     dev = torch.device(device)
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_model()
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model()
     return {"machine": f"{platform.machine()} {name}, {os.cpu_count()} CPUs", "torch": torch.__version__,
             "threads": torch.get_num_threads(), "device": dev.type, "dtype": str(dtype).removeprefix("torch."),
             "shapes": CALIBRATION_SHAPES}
