@@ -2,16 +2,18 @@
 
     python scripts/bench_tradeoff.py ckpt_path=PATH [root=data/sim_kitti] [bev=] [thresholds=0.1,0.2,0.3,0.5]
                                      [dilations=0,1,2] [frames=0] [batch=4] [out=benchmarks/tradeoff_cpu.json]
+                                     [tb=outputs/tradeoff_tb] [note=]
 
 The checkpoint's own detector and mask: with a mask network, every (threshold, dilation) pair (dilation in
 the network's low-resolution cells); with a data-side mask (road map, ground), every ``dilations`` value as
 ``dilation_m`` metres (thresholds unused). Per setting, on the val split (the first ``frames`` frames; 0 =
 all): Car BEV and 3D AP R40 moderate, the mask's box recall and boxes fully covered, the active 16-px tiles per
 stride 1-16, ms/frame of the sparse detector (the plan the checkpoint was trained with) and of its dense twin
-(the same weights, no mask), and the speedup. A setting whose mask is empty still runs (zero features where
+(the same weights, no mask) timed on the same batch right after it (a shared machine's load then hits both
+alike), and the speedup. A setting whose mask is empty still runs (zero features where
 masked) and is reported. ``bev=kitti|small`` evaluates on another grid (the same channels are needed).
-Writes ``out`` (JSON), the markdown table beside it, a PNG plot (AP vs speedup) and TensorBoard scalars
-(``<out dir>/tradeoff_tb``).
+Writes ``out`` (JSON), the markdown table beside it (with ``note``), a PNG plot (AP vs speedup) and
+TensorBoard scalars (``tb``)).
 """
 
 from __future__ import annotations
@@ -37,15 +39,31 @@ from detector.tasks import build_datamodule, decode_kwargs, load_detector
 REPO = Path(__file__).resolve().parents[1]
 
 
+def dense_twin(model, on: bool) -> None:
+    """Switch ``model`` to its dense twin (the same weights, no mask) or back."""
+    if on:
+        model._sparse_mask = (model.mask_net, model.use_data_mask)
+        model.mask_net, model.use_data_mask = None, False
+    else:
+        model.mask_net, model.use_data_mask = model._sparse_mask
+
+
 @torch.no_grad()
-def run_setting(model, loader, classes, decode) -> dict:
-    """One pass over the loader: AP, mask quality, ms/frame (model forward + decode; data loading excluded)."""
-    gts, dts, recalls, tiles, wall, n = [], [], [], [], 0.0, 0
+def run_setting(model, loader, classes, decode, paired: bool) -> dict:
+    """One pass over the loader: AP, mask quality, ms/frame (model forward + decode; data loading excluded);
+    ``paired``: the dense twin timed on each batch right after the model (``dense_ms_per_frame``)."""
+    gts, dts, recalls, tiles, wall, wall_dense, n = [], [], [], [], 0.0, 0.0, 0
     for batch in loader:
         t0 = time.perf_counter()
         out = model(batch)
         dets = model.decode(out, **decode)
         wall += time.perf_counter() - t0
+        if paired:
+            dense_twin(model, True)
+            t0 = time.perf_counter()
+            model.decode(model(batch), **decode)
+            wall_dense += time.perf_counter() - t0
+            dense_twin(model, False)
         n += batch.size
         if out.mask is not None:
             recalls.append(box_recall(out.mask, class_boxes(batch.gt_boxes, batch.gt_names, classes), model.grid))
@@ -57,6 +75,8 @@ def run_setting(model, loader, classes, decode) -> dict:
     m = evaluate(gts, dts, classes=["Car"]).to_json()["Car"]
     row = {"ap_bev_moderate": m["bev"]["R40"]["moderate"], "ap_3d_moderate": m["3d"]["R40"]["moderate"],
            "ms_per_frame": 1000 * wall / max(n, 1), "frames": n}
+    if paired:
+        row["dense_ms_per_frame"] = 1000 * wall_dense / max(n, 1)
     if recalls:
         r = torch.cat(recalls)
         row.update(mask_recall=float(r.mean()) if len(r) else None,
@@ -94,8 +114,8 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv, {"ckpt_path": "", "root": "data/sim_kitti", "bev": "", "thresholds": "0.1,0.2,0.3,0.5",
-                             "dilations": "0,1,2", "frames": 0, "batch": 4,
-                             "out": "benchmarks/tradeoff_cpu.json"}, __doc__)
+                             "dilations": "0,1,2", "frames": 0, "batch": 4, "tb": "outputs/tradeoff_tb",
+                             "note": "", "out": "benchmarks/tradeoff_cpu.json"}, __doc__)
     if not args["ckpt_path"] or not Path(args["ckpt_path"]).is_file():
         raise SystemExit(f"error: ckpt_path={args['ckpt_path']!r}: no such checkpoint (see --help)")
     thresholds = [float(t) for t in args["thresholds"].split(",") if t]
@@ -135,9 +155,9 @@ def main(argv=None) -> int:
         raise SystemExit(f"error: {args['ckpt_path']} was trained without a mask (mask=none): nothing to sweep")
     print(f"bench_tradeoff: {args['ckpt_path']} grid {model.grid.H}x{model.grid.W} threads={torch.get_num_threads()} "
           f"MALLOC_MMAP_MAX_={os.environ.get('MALLOC_MMAP_MAX_')}", flush=True)
-    model.mask_net, model.use_data_mask = None, False  # the dense twin: the same weights, no mask
-    dense = run_setting(model, loader(None), classes, decode)
-    model.mask_net, model.use_data_mask = net, True
+    dense_twin(model, True)
+    dense = run_setting(model, loader(None), classes, decode, paired=False)
+    dense_twin(model, False)
     rows = [{"setting": "dense", **dense, "speedup_vs_dense": 1.0}]
     for name, s in settings:
         mask_cfg = cfg.mask.copy()
@@ -146,8 +166,8 @@ def main(argv=None) -> int:
         else:
             with open_dict(mask_cfg):
                 mask_cfg.provider.dilation_m = s["dilation_m"]
-        r = run_setting(model, loader(None if net is not None else mask_cfg), classes, decode)
-        rows.append({"setting": name, **s, **r, "speedup_vs_dense": dense["ms_per_frame"] / r["ms_per_frame"]})
+        r = run_setting(model, loader(None if net is not None else mask_cfg), classes, decode, paired=True)
+        rows.append({"setting": name, **s, **r, "speedup_vs_dense": r["dense_ms_per_frame"] / r["ms_per_frame"]})
         t = r.get("tiles", {})
         print(f"  {name:<10} BEV {r['ap_bev_moderate']:6.2f} 3D {r['ap_3d_moderate']:6.2f}  recall "
               f"{r.get('mask_recall') or 0:.3f}  tiles {[round(v, 2) for v in t.values()]}  {r['ms_per_frame']:.1f} "
@@ -155,32 +175,34 @@ def main(argv=None) -> int:
     meta = {"machine": f"{platform.machine()}, {cpu_model()}, {os.cpu_count()} CPUs",
             "torch": torch.__version__, "threads": torch.get_num_threads(), "load_avg": os.getloadavg(),
             "env": {k: os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")},
-            "checkpoint": str(args["ckpt_path"]), "grid": [model.grid.H, model.grid.W],
+            "checkpoint": str(args["ckpt_path"]), "note": args["note"], "grid": [model.grid.H, model.grid.W],
             "command": "python scripts/bench_tradeoff.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     out = Path(args["out"])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     md = ["| setting | BEV AP mod | 3D AP mod | box recall | boxes covered | active tiles s1/2/4/8/16 | ms/frame | "
-          "speedup |", "|---|---|---|---|---|---|---|---|"]
+          "dense twin ms/frame (same batches, right after) | speedup |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tiles = " / ".join(f"{v:.2f}" for v in r.get("tiles", {}).values()) or "1 (dense)"
         rec = f"{r['mask_recall']:.3f}" if r.get("mask_recall") is not None else "-"
         cov = f"{r['mask_boxes_covered']:.3f}" if r.get("mask_boxes_covered") is not None else "-"
         md.append(f"| {r['setting']} | {r['ap_bev_moderate']:.2f} | {r['ap_3d_moderate']:.2f} | {rec} | {cov} | "
-                  f"{tiles} | {r['ms_per_frame']:.1f} | {r['speedup_vs_dense']:.2f}x |")
+                  f"{tiles} | {r['ms_per_frame']:.1f} | {r.get('dense_ms_per_frame', r['ms_per_frame']):.1f} | "
+                  f"{r['speedup_vs_dense']:.2f}x |")
     out.with_suffix(".md").write_text(f"# Speed/accuracy of one checkpoint (CPU)\n\n`{meta['command']}` - "
                                       f"{meta['machine']}, torch {meta['torch']}, {meta['threads']} threads, load "
-                                      f"{meta['load_avg']}, allocator {meta['env']}.\n\n" + "\n".join(md) + "\n")
+                                      f"{meta['load_avg']}, allocator {meta['env']}.\n\n"
+                                      + (f"{args['note']}\n\n" if args["note"] else "") + "\n".join(md) + "\n")
     plot(rows, out.with_suffix(".png"))
     from torch.utils.tensorboard import SummaryWriter
 
-    with SummaryWriter(str(out.parent / "tradeoff_tb")) as tb:
+    with SummaryWriter(args["tb"]) as tb:
         for i, r in enumerate(rows):
             for k in ("ap_bev_moderate", "ap_3d_moderate", "speedup_vs_dense", "ms_per_frame", "mask_recall"):
                 if r.get(k) is not None:
                     tb.add_scalar(f"tradeoff/{k}", r[k], i)
         tb.add_text("tradeoff/table", "\n".join(md), 0)
-    print(f"wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}, {out.parent / 'tradeoff_tb'}")
+    print(f"wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}, {args['tb']}")
     return 0
 
 

@@ -24,7 +24,7 @@ def test_tradeoff_curve_on_a_tiny_checkpoint(tmp_path, tiny_root):
     out = tmp_path / "bench" / "tradeoff.json"
     # threshold 0.999: an untrained mask net predicts nothing that sure -> an empty mask, still reported
     assert _script().main([f"ckpt_path={ckpt}", f"root={tiny_root}", "thresholds=0.01,0.999", "dilations=0,1",
-                           f"out={out}"]) == 0
+                           f"out={out}", f"tb={tmp_path / 'tb'}"]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["setting"] for r in rows] == ["dense", "t0.01/d0", "t0.01/d1", "t0.999/d0", "t0.999/d1"]
     for r in rows:
@@ -37,7 +37,8 @@ def test_tradeoff_curve_on_a_tiny_checkpoint(tmp_path, tiny_root):
     assert empty["tiles"] == {k: 0.0 for k in empty["tiles"]} and empty["mask_recall"] == 0.0
     for suffix in (".md", ".png"):
         assert out.with_suffix(suffix).stat().st_size > 0
-    assert list((out.parent / "tradeoff_tb").glob("events.out.tfevents.*"))
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert all(r["dense_ms_per_frame"] > 0 for r in rows[1:])
     assert "t0.999/d0" in out.with_suffix(".md").read_text()
 
 
