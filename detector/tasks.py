@@ -189,6 +189,10 @@ def _flat_hparams(config: dict, prefix: str = "") -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 # Evaluation
 # --------------------------------------------------------------------------------------------------
+# Classes a saved config may name by the path they had when the checkpoint was written.
+_MOVED_TARGETS = {"detector.data.voxelize.BevGrid": "detector.geometry.voxelize.BevGrid"}
+
+
 def load_detector(ckpt_path: str | Path, mask_override: str | DictConfig | None = None
                   ) -> tuple[BevDetector, DictConfig]:
     """Rebuild the detector from a checkpoint's saved config and load its weights (weights_only).
@@ -201,6 +205,8 @@ def load_detector(ckpt_path: str | Path, mask_override: str | DictConfig | None 
     if not saved:
         raise ConfigError(f"{ckpt_path}: checkpoint has no saved config (was it written by scripts/train.py?)")
     cfg = OmegaConf.create(saved)
+    if cfg.get("bev", {}).get("_target_") in _MOVED_TARGETS:  # a checkpoint written before the class moved
+        cfg.bev._target_ = _MOVED_TARGETS[cfg.bev._target_]
     if isinstance(mask_override, DictConfig):
         cfg.mask = mask_override
     elif mask_override is not None:
