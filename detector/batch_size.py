@@ -1,10 +1,11 @@
-"""``data.batch_size=auto``: the largest training batch that fits the device's memory.
+"""``data.batch_size=auto``: the largest training batch that fits the device's memory, from the estimate.
 
-CUDA: real training steps at growing batch sizes until one runs out of memory, then a binary search
-between the last fitting and the first failing size (the approach of Lightning's batch-size finder,
-done here because our batches are not plain tensors). CPU: the process's peak resident memory is
-measured for a step at batch 1 and batch 2 (Linux ``/proc``), and the per-frame cost extrapolated to
-``fraction`` of the memory available; a CPU process that runs out of memory is killed, not warned.
+The peak memory of a training step is predicted from shapes (:func:`detector.memory.estimate`, with the active
+tiles of the first training batch's mask); the largest batch whose prediction fits ``fraction`` of the device's
+free memory (CUDA: ``mem_get_info``; CPU: ``MemAvailable``) is confirmed with one real step, whose measured peak
+(CUDA: ``max_memory_allocated``; CPU: the allocator's events) is logged next to the prediction. If the real step
+needs more than the budget (or runs out of CUDA memory) the batch is scaled down by the measured excess and
+confirmed again. A CPU process that runs out of memory is killed, not warned: hence the margin.
 """
 
 from __future__ import annotations
@@ -38,15 +39,12 @@ def _mem_available() -> int:
     raise OSError("MemAvailable not in /proc/meminfo")
 
 
-def _peak_rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise OSError("VmHWM not in /proc/self/status")
+def probe_shares(model: BevDetector, make_dm: Callable[[int], KittiDataModule]) -> list[float] | None:
+    """The active-tile share per stage of the first training batch's mask (None: no mask, dense)."""
+    from detector.memory import stage_shares
 
-
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")
+    batch = next(iter(make_dm(1).train_dataloader()))
+    return None if batch.mask is None else stage_shares(model, batch.mask.float())
 
 
 def find_batch_size(
@@ -56,70 +54,51 @@ def find_batch_size(
     fraction: float = 0.6,
 ) -> int:
     """The batch size to train with; ``make_dm(b)`` builds the data module for batch size ``b``."""
-    state = {k: v.clone() for k, v in model.state_dict().items()}  # BN statistics change in trial steps
+    from detector.memory import MB, estimate, largest_fitting
+
+    state = {k: v.clone() for k, v in model.state_dict().items()}  # BN statistics change in the trial step
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    n_train = len(make_dm(1).dataset("train"))
+    try:
+        budget = fraction * (torch.cuda.mem_get_info()[0] if device.type == "cuda" else _mem_available())
+    except OSError as e:
+        log.warning("batch_size=auto: cannot read the free memory on this system (%s); using 1", e)
+        return 1
+    shares = probe_shares(model, make_dm)
     model.to(device)
     try:
-        if device.type == "cuda":
-            best = _search_cuda(make_dm, model, device, max_batch)
-        else:
-            best = _estimate_cpu(make_dm, model, device, max_batch, fraction)
+        b = max(1, min(largest_fitting(model, shares, budget, max_batch), n_train))
+        for _ in range(4):
+            predicted = estimate(model, b, shares, train=True).peak
+            measured = _measured_step(make_dm, model, device, b)
+            print(f"data.batch_size=auto: batch {b}: predicted {predicted / MB:.0f} MB, measured "
+                  f"{'out of memory' if measured is None else f'{measured / MB:.0f} MB'} "
+                  f"(budget {budget / MB:.0f} MB = {fraction:.0%} of the free memory)")
+            if measured is not None and measured <= budget or b == 1:
+                break
+            b = max(1, int(b * budget / measured) if measured is not None else b // 2)
     finally:
         model.load_state_dict(state)
         model.to("cpu")
-    n_train = len(make_dm(1).dataset("train"))
-    return max(1, min(best, max_batch, n_train))
+    return b
 
 
-def _fits(make_dm, model, device, b: int) -> bool:
+def _measured_step(make_dm, model, device, b: int) -> int | None:
+    """Peak bytes of one real training step at batch ``b`` (None: CUDA out of memory)."""
+    from detector.memory import measure_peak, tensor_bytes
+
+    dm = make_dm(b)
+    dm.num_workers = 0
+    gc.collect()
+    # the optimizer's state (Adam: two tensors like each parameter) is held at every step: counted, not run
+    params = tensor_bytes(model.parameters())
+    base = 3 * params + tensor_bytes(model.buffers())
     try:
-        dm = make_dm(b)
-        dm.num_workers = 0
-        _step(model, dm, device)
-        return True
+        return base + measure_peak(lambda: _step(model, dm, device), device)
     except torch.cuda.OutOfMemoryError:
-        return False
+        return None
     finally:
         model.zero_grad(set_to_none=True)
         gc.collect()
-        torch.cuda.empty_cache()
-
-
-def _search_cuda(make_dm, model, device, max_batch: int) -> int:
-    lo, hi = 0, None
-    b = 1
-    while b <= max_batch:
-        if _fits(make_dm, model, device, b):
-            lo, b = b, b * 2
-        else:
-            hi = b
-            break
-    if hi is None:
-        return lo
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if _fits(make_dm, model, device, mid):
-            lo = mid
-        else:
-            hi = mid
-    return max(lo, 1)
-
-
-def _estimate_cpu(make_dm, model, device, max_batch: int, fraction: float) -> int:
-    try:
-        peaks = []
-        for b in (1, 2):
-            dm = make_dm(b)
-            dm.num_workers = 0
-            gc.collect()
-            _reset_peak()
-            _step(model, dm, device)
-            peaks.append(_peak_rss())
-        per_frame = max(peaks[1] - peaks[0], 1)
-        budget = _mem_available() * fraction
-    except OSError as e:
-        log.warning("batch_size=auto: cannot measure memory on this system (%s); using 1", e)
-        return 1
-    b = int(budget // per_frame)
-    log.info("batch_size=auto: %.0f MB per frame, %.0f MB budget -> %d", per_frame / 2**20, budget / 2**20, b)
-    return max(1, min(b, max_batch))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()

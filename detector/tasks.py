@@ -142,6 +142,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         bs = find_batch_size(lambda b: build_datamodule(cfg.data, cfg.mask, grid, sparse, b), model)
         print(f"data.batch_size=auto: using {bs}")
     dm = build_datamodule(cfg.data, cfg.mask, grid, sparse, bs)
+    from detector.batch_size import probe_shares
+    from detector.memory import estimate
+
+    shares = probe_shares(model, lambda b: build_datamodule(cfg.data, cfg.mask, grid, sparse, b))
+    print(estimate(model, bs, shares, train=True).describe() + " (detector/memory.py, from shapes)")
     config = OmegaConf.to_container(cfg, resolve=True)
     config["data"]["batch_size"] = bs
     scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None

@@ -1,0 +1,135 @@
+"""Estimated vs measured peak memory of a training step and of inference (detector/memory.py), on the CPU.
+
+    python scripts/bench_memory.py [bevs=small,kitti] [batches=1,2,4,8,16] [sparsities=dense,0.5,0.7,0.9]
+                                   [modes=train,infer] [limit_mb=6000] [root=data/sim_kitti] [out=benchmarks/memory_cpu]
+
+The CPU training config's model (configs/model/sparse.yaml with fixed 16-px tiles, Adam) on real train frames of
+``root``; the computation mask is replaced by a random mask of 16-px tiles with ``1 - sparsity`` of them active
+(``dense``: mask=none, the dense network). measured: the bytes of the tensors alive before the step (parameters,
+buffers, optimizer state, the batch) plus the peak of the CPU allocator's events during it (torch.profiler memory
+events; not RSS), for one training step (forward, loss, backward, optimizer step) after a warm-up step, or one
+inference forward (no grad). estimate: :func:`detector.memory.estimate` from the shapes and the mask's active
+blocks per chain (no layer runs). Rows whose estimate exceeds ``limit_mb`` are not measured (marked).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+
+from detector.cli import parse_args
+from detector.memory import MB, estimate, measure_peak, tensor_bytes
+from detector.tasks import build_datamodule, build_grid, build_model
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def setup(bev: str, root: str, dense: bool):
+    with initialize_config_dir(str(REPO / "configs"), version_base="1.3"):
+        cfg = compose("train", overrides=[f"bev={bev}", f"data.root={root}", "data.num_workers=0", "data.augment=null",
+                                          "model.block_size=16", "model.head_block_size=16", "paths.output_dir=/tmp/bm"]
+                      + (["mask=none"] if dense else []))
+    grid = build_grid(cfg.bev)
+    torch.manual_seed(0)
+    return cfg, grid, build_model(cfg.model, cfg.mask, grid)
+
+
+def tile_mask(n: int, H: int, W: int, share: float, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    coarse = (torch.rand(n, 1, -(-H // 16), -(-W // 16), generator=g) < share).float()
+    return coarse.repeat_interleave(16, 2).repeat_interleave(16, 3)[:, :, :H, :W].contiguous()
+
+
+def batch_of(cfg, grid, b: int, sparse: bool, share: float | None):
+    data_cfg = cfg.data.copy()
+    data_cfg.batch_size = b
+    dm = build_datamodule(data_cfg, cfg.mask, grid, sparse)
+    batch = next(iter(dm.train_dataloader()))
+    mask = tile_mask(b, grid.H, grid.W, share, seed=b) if share is not None else None
+    return dataclasses.replace(batch, mask=mask)
+
+
+def run(bev: str, b: int, sparsity: str, modes: list[str], args: dict) -> list[dict]:
+    dense = sparsity == "dense"
+    cfg, grid, model = setup(bev, args["root"], dense)
+    share = None if dense else 1.0 - float(sparsity)
+    batch = batch_of(cfg, grid, b, not dense, share)
+    rows = []
+    for mode in modes:
+        train = mode == "train"
+        est = estimate(model, b, None if dense else share, train, mask=batch.mask)
+        row = {"bev": bev, "batch": b, "sparsity": sparsity, "mode": mode, "estimate_mb": round(est.peak_mb, 1),
+               "estimate_parts_mb": {k: round(getattr(est, k) / MB, 1) for k in
+                                     ("params", "grads", "optimizer", "activations", "workspace")}}
+        if est.peak_mb > float(args["limit_mb"]):
+            row["measured_mb"] = None
+            row["note"] = f"not measured: estimate above limit_mb={args['limit_mb']}"
+        else:
+            row["measured_mb"] = round(measure(model, batch, train) / MB, 1)
+            row["error_pct"] = round(100 * (row["estimate_mb"] - row["measured_mb"]) / row["measured_mb"], 1)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def measure(model, batch, train: bool) -> int:
+    dev = torch.device("cpu")
+    if not train:
+        model.eval()
+        base = tensor_bytes([*model.parameters(), *model.buffers(), batch.points, batch.mask])
+        with torch.no_grad():
+            model(batch)  # warm-up (kernel caches, the plan)
+            return base + measure_peak(lambda: model(batch), dev)
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+
+    def step():
+        out = model(batch)
+        loss, _ = model.loss(out, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # warm-up: the optimizer state exists from here on, as in training
+    gc.collect()
+    state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    base = tensor_bytes([*model.parameters(), *model.buffers(), *state, batch.points, batch.mask])
+    return base + measure_peak(step, dev)
+
+
+def main() -> None:
+    args = parse_args(None, {"bevs": "small,kitti", "batches": "1,2,4,8,16", "sparsities": "dense,0.5,0.7,0.9",
+                             "modes": "train,infer", "limit_mb": 6000.0, "root": "data/sim_kitti",
+                             "out": "benchmarks/memory_cpu"}, __doc__)
+    rows = []
+    for bev in args["bevs"].split(","):
+        for sparsity in args["sparsities"].split(","):
+            for b in (int(x) for x in args["batches"].split(",")):
+                rows += run(bev, b, sparsity, args["modes"].split(","), args)
+    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(),
+            "allocator": {k: os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")},
+            "measured": "tensors alive before + peak of torch.profiler CPU allocator events (not RSS)"}
+    out = Path(args["out"])
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    lines = ["# Peak memory: estimate (detector/memory.py, from shapes) vs measured (CPU allocator events)", "",
+             "`python scripts/bench_memory.py` - CPU training config, fixed 16-px tiles, Adam, fp32; sparsity = share "
+             "of 16-px tiles inactive at stride 1 (random tiles); train = forward + loss + backward + optimizer step.",
+             "", "| bev | batch | sparsity | mode | estimate MB | measured MB | error % |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        meas = "-" if r["measured_mb"] is None else f"{r['measured_mb']:.1f}"
+        err = f"{r['error_pct']:+.1f}" if "error_pct" in r else r.get("note", "")
+        lines.append(f"| {r['bev']} | {r['batch']} | {r['sparsity']} | {r['mode']} | {r['estimate_mb']:.1f} | "
+                     f"{meas} | {err} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}.json and {out}.md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Predicted peak memory of a training step and of inference per batch size, from shapes (the model is not run).
+
+    python scripts/estimate_memory.py [Hydra overrides of the train config] [batches=1,2,4,8,16]
+                                      [sparsity=dense|0.7|0.9,0.8,...] [available_mb=auto] [margin=0.1]
+
+``sparsity``: ``dense`` (mask=none), one number (the share of inactive tiles at every stage) or one per stage
+(stem, backbone stages, neck levels, head). Each row: parameters, gradients, optimizer state, activations
+(saved for backward / live maps) and workspace, in MB (detector/memory.py says what is counted). A requested
+batch whose training step does not fit ``(1 - margin)`` of the available memory (``auto``: the free CUDA memory,
+else the system's MemAvailable) is answered in one line with the largest batch that fits.
+Measured against the allocator: benchmarks/memory_cpu.md (scripts/bench_memory.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+
+OWN = {"batches": "1,2,4,8,16", "sparsity": "0.7", "available_mb": "auto", "margin": "0.1"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from detector.errors import USER_ERRORS, one_line
+    from detector.memory import MB, estimate, largest_fitting
+    from detector.resources import config_dir
+    from detector.tasks import build_grid, build_model
+
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    own = dict(OWN)
+    overrides = []
+    for a in argv:
+        key = a.split("=", 1)[0]
+        (own.__setitem__(key, a.split("=", 1)[1]) if key in OWN and "=" in a else overrides.append(a))
+    try:
+        with initialize_config_dir(str(config_dir()), version_base="1.3"):
+            cfg = compose("train", overrides=overrides + ["paths.output_dir=/tmp/estimate_memory"])
+        batches = [int(b) for b in own["batches"].split(",")]
+        sp = own["sparsity"]
+        shares = None if sp == "dense" else [1.0 - float(x) for x in sp.split(",")]
+        shares = shares[0] if shares is not None and len(shares) == 1 else shares
+        model = build_model(cfg.model, cfg.mask, build_grid(cfg.bev))
+        if own["available_mb"] == "auto":
+            from detector.batch_size import _mem_available
+
+            avail = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else _mem_available()
+        else:
+            avail = float(own["available_mb"]) * MB
+        budget = (1.0 - float(own["margin"])) * avail
+        print(f"BEV grid {model.grid.H}x{model.grid.W}x{model.grid.C}, "
+              f"sparsity {sp}; budget {budget / MB:.0f} MB ({1 - float(own['margin']):.0%} of {avail / MB:.0f} MB)")
+        print(f"{'batch':>5} {'mode':>5} {'peak MB':>9} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>8} "
+              f"{'work':>8}")
+        for b in batches:
+            for train in (True, False):
+                e = estimate(model, b, shares, train)
+                print(f"{b:>5} {e.mode:>5} {e.peak_mb:>9.1f} {e.params / MB:>7.1f} {e.grads / MB:>7.1f} "
+                      f"{e.optimizer / MB:>7.1f} {e.activations / MB:>8.1f} {e.workspace / MB:>8.1f}")
+        too_big = [b for b in batches if estimate(model, b, shares, True).peak > budget]
+        if too_big:
+            best = largest_fitting(model, shares, budget, max(batches))
+            need = estimate(model, too_big[0], shares, True).peak_mb
+            print(f"batch {too_big[0]} does not fit: a training step needs ~{need:.0f} MB of {budget / MB:.0f} MB; "
+                  + (f"the largest batch that fits is {best}" if best else "not even batch 1 fits"))
+            return 1
+    except USER_ERRORS as e:
+        print(one_line(e), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    raise SystemExit(main())

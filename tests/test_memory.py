@@ -1,0 +1,105 @@
+"""Memory estimate (detector/memory.py) vs the allocator's measured peak on a small model, the one-line answer
+for a batch that cannot fit, and data.batch_size=auto's predicted-vs-measured line."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from detector.memory import MB, estimate, measure_peak, stage_shares, tensor_bytes
+from detector.tasks import build_datamodule, build_grid, build_model
+
+from .test_train import _cfg
+
+REPO = Path(__file__).resolve().parents[1]
+# bev=small's grid and the shipped CPU model (configs/model/sparse.yaml; the tiny test model's overrides undone),
+# fixed tiles. The estimate's dense-conv input copy is measured on this layout (a narrower stem does not copy).
+SMALL = ["model.backbone.stem_channels=24", "model.backbone.stage_channels=[48,64,96,128]",
+         "model.neck_channels=64", "model.head_channels=64", "model.block_size=16", "model.head_block_size=16",
+         "bev.x_range=[0,51.2]", "bev.y_range=[-19.2,19.2]", "bev.z_resolution=0.35",
+         "model.backbone.stage_units=[1,2,2,1]"]
+
+
+def _setup(tmp_path, tiny_root, dense: bool):
+    cfg = _cfg(tmp_path, tiny_root, *SMALL, *(["mask=none"] if dense else []))
+    grid = build_grid(cfg.bev)
+    torch.manual_seed(0)
+    return cfg, grid, build_model(cfg.model, cfg.mask, grid)
+
+
+def _batch(cfg, grid, b: int, share: float | None):
+    data_cfg = cfg.data.copy()
+    data_cfg.batch_size = b
+    batch = next(iter(build_datamodule(data_cfg, cfg.mask, grid, share is not None).train_dataloader()))
+    if share is None:
+        return dataclasses.replace(batch, mask=None)
+    g = torch.Generator().manual_seed(b)
+    coarse = (torch.rand(b, 1, -(-grid.H // 16), -(-grid.W // 16), generator=g) < share).float()
+    mask = coarse.repeat_interleave(16, 2).repeat_interleave(16, 3)[:, :, : grid.H, : grid.W].contiguous()
+    return dataclasses.replace(batch, mask=mask)
+
+
+def _measure(model, batch, train: bool) -> float:
+    if not train:
+        model.eval()
+        with torch.no_grad():
+            model(batch)
+            base = tensor_bytes([*model.parameters(), *model.buffers(), batch.points, batch.mask])
+            return (base + measure_peak(lambda: model(batch), torch.device("cpu"))) / MB
+    model.train()
+    opt = torch.optim.Adam(model.parameters())
+
+    def step():
+        loss, _ = model.loss(model(batch), batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    base = tensor_bytes([*model.parameters(), *model.buffers(), *state, batch.points, batch.mask])
+    return (base + measure_peak(step, torch.device("cpu"))) / MB
+
+
+@pytest.mark.parametrize("share", [None, 0.5, 0.2])
+@pytest.mark.parametrize("train", [True, False])
+def test_estimate_within_ten_percent_of_the_allocator_peak(tmp_path, tiny_root, share, train):
+    cfg, grid, model = _setup(tmp_path, tiny_root, share is None)
+    for b in (1, 3):
+        batch = _batch(cfg, grid, b, share)
+        est = estimate(model, b, None if share is None else share, train, mask=batch.mask).peak_mb
+        measured = _measure(model, batch, train)
+        assert abs(est - measured) <= 0.10 * measured, (b, est, measured)
+
+
+def test_stage_shares_count_the_mask_blocks(tmp_path, tiny_root):
+    cfg, grid, model = _setup(tmp_path, tiny_root, False)
+    n = len(model.backbone.stages) + len(model.neck.smooth) + 1
+    ones = torch.ones(2, 1, grid.H, grid.W)
+    assert stage_shares(model, ones) == [1.0] * n
+    assert stage_shares(model, torch.zeros(2, 1, grid.H, grid.W)) == [0.0] * n
+    # a sparser mask never needs more blocks, and the estimate grows with them
+    half = _batch(cfg, grid, 2, 0.3).mask
+    s = stage_shares(model, half)
+    assert 0.0 < s[0] < 1.0 and all(0.0 < x <= 1.0 for x in s)  # deeper tiles cover more: up to all active
+    assert estimate(model, 2, s, True).peak < estimate(model, 2, 1.0, True).peak
+
+
+def test_estimate_command_names_the_largest_batch_that_fits():
+    cmd = [sys.executable, str(REPO / "scripts" / "estimate_memory.py"), "bev=kitti", "batches=1,64",
+           "sparsity=0.7", "available_mb=3000"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 1, r.stderr
+    last = r.stdout.strip().splitlines()[-1]
+    assert last.startswith("batch 64 does not fit") and "the largest batch that fits is" in last
+    best = int(last.rsplit(" ", 1)[1])
+    rows = {(int(p[0]), p[1]): float(p[2]) for p in (line.split() for line in r.stdout.splitlines()) if
+            len(p) == 8 and p[0].isdigit()}
+    assert rows[(1, "train")] <= 2700 < rows[(64, "train")] and best >= 1
+    bad = subprocess.run([*cmd[:2], "sparsity=lots"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert bad.returncode == 1 and bad.stderr.strip().count("\n") == 0 and bad.stderr.startswith("error:")
