@@ -9,7 +9,7 @@ each backend: eager PyTorch (the network the programs are exported from, plan fr
 ``torch.compile`` (inductor, dynamic shapes, the block counts captured in the graph), the ``torch.export``
 program (``ExportedProgram.module()``) and the ONNX model on onnxruntime's CPU provider (the sbnet ops in
 standard operators). Time = network only (BEV tensor + mask -> heatmap + regression): median over ``reps``
-passes over the frames, after one warm-up pass. Outputs are checked against eager (max abs difference).
+passes over the frames, after two warm-up passes. Outputs are checked against eager (max abs difference).
 Writes ``out``.json and ``out``.md with the CPU model, threads and the allocator settings (use the Makefile's
 ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=4000000000``).
 """
@@ -52,8 +52,9 @@ def frames(bev: str, root: str, n: int):
 
 def timed(fn, inputs, reps: int) -> float:
     with torch.no_grad():
-        for x in inputs:
-            fn(*x)
+        for _ in range(2):  # warm-up: one pass leaves first-call costs (measured: 116 vs 32 ms at bev=small)
+            for x in inputs:
+                fn(*x)
         runs = []
         for _ in range(reps):
             t0 = time.perf_counter()
@@ -106,7 +107,8 @@ def main() -> None:
     args["backends"] = args["backends"].split(",")
     meta = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "allocator": {k: os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")},
-            "frames": int(args["frames"]), "reps": int(args["reps"]), "root": args["root"], "batch": 1}
+            "frames": int(args["frames"]), "reps": int(args["reps"]), "root": args["root"], "batch": 1,
+            "loadavg_start": os.getloadavg()}
     try:
         import onnxruntime
 
@@ -117,12 +119,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for bev in args["bevs"].split(","):
             rows += bench(bev, args, Path(tmp))
+    meta["loadavg_end"] = os.getloadavg()  # a shared machine: other work there slows every row
     out = Path(args["out"])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = [f"# Exported detector, CPU inference ({meta['cpu']}, {meta['threads']} threads, torch {meta['torch']}, "
-             f"onnxruntime {meta.get('onnxruntime')}, allocator {meta['allocator']})", "",
-             f"`python scripts/bench_export.py` - batch 1, median of {meta['reps']} passes over {meta['frames']} "
+             f"onnxruntime {meta.get('onnxruntime')}, allocator {meta['allocator']}; load average "
+             f"{meta['loadavg_start'][0]:.1f} at the start, {meta['loadavg_end'][0]:.1f} at the end)", "",
+             f"`python scripts/bench_export.py frames={meta['frames']} reps={meta['reps']}` - batch 1, median of "
+             f"{meta['reps']} passes over {meta['frames']} "
              "val frames (road-map masks); ms/frame of the network (BEV + mask -> heatmap + regression).", "",
              "| bev | variant | backend | ms/frame | max abs diff vs eager | prepare s |", "|---|---|---|---|---|---|"]
     for r in rows:
