@@ -12,13 +12,13 @@ export MALLOC_TRIM_THRESHOLD_ ?= 4000000000
 
 .PHONY: setup sysdeps train test test-all data kernels kernels-cuda gpu-check bench bench-quick lint clean
 
-$(VENV)/.stamp: pyproject.toml
+$(VENV)/.stamp: pyproject.toml Makefile
 	@command -v $(PY) >/dev/null || { echo "error: $(PY) not found (set PY=python3.x)"; exit 1; }
 	@$(MAKE) --no-print-directory sysdeps
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
 	$(PYTHON) -m pip install -q --upgrade pip
 	$(PYTHON) -m pip install -q "$(TORCH_PIN)"
-	$(PYTHON) -m pip install -q -e ".[dev]"
+	$(PYTHON) -m pip install -q -e ".[dev,export]"
 	touch $@
 
 setup: $(VENV)/.stamp
