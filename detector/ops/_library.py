@@ -82,14 +82,19 @@ def _register_python_side() -> None:
         k = torch.library.get_ctx().new_dynamic_size()
         return mask.new_empty((k, 3), dtype=torch.int32)
 
+    # fakes allocate in the layout directly (a .contiguous(memory_format) of a tensor with a data-dependent K
+    # may keep its strides under symbolic shapes, and the compiled graph would then expect the wrong layout)
+    def empty(shape, like, f):
+        return torch.empty(shape, dtype=like.dtype, device=like.device, memory_format=f)
+
     @torch.library.register_fake("sbnet::sparse_gather")
     def _(x, indices, bsize, bstride, boffset):
-        out = x.new_empty((indices.shape[0], x.shape[1], bsize[0], bsize[1]))
-        return out.contiguous(memory_format=memory_format_of(x) or torch.contiguous_format)
+        f = memory_format_of(x) or torch.contiguous_format
+        return empty((indices.shape[0], x.shape[1], bsize[0], bsize[1]), x, f)
 
     @torch.library.register_fake("sbnet::sparse_gather_backward")
     def _(grad_blocks, indices, input_size, bstride, boffset, channels_last=False):
-        return grad_blocks.new_empty(input_size).contiguous(memory_format=fmt(channels_last))
+        return empty(input_size, grad_blocks, fmt(channels_last))
 
     @torch.library.register_fake("sbnet::sparse_gather_backward_")
     def _(grad_blocks, indices, grad_x, bstride, boffset):
@@ -106,8 +111,8 @@ def _register_python_side() -> None:
     @torch.library.register_fake("sbnet::sparse_scatter_backward")
     def _(grad_out, indices, out_tiles, tile, bstride, boffset, add, relu, need_blocks, need_base):
         f = memory_format_of(grad_out) or torch.contiguous_format
-        blocks = grad_out.new_empty((indices.shape[0], grad_out.shape[1], tile[0], tile[1]))
-        return blocks.contiguous(memory_format=f), torch.empty_like(grad_out, memory_format=f)
+        blocks = empty((indices.shape[0], grad_out.shape[1], tile[0], tile[1]), grad_out, f)
+        return blocks, torch.empty_like(grad_out, memory_format=f)
 
     # gather: its gradient is a scatter-add (overlapping halos add up) into zeros like x, in x's layout.
     def gather_setup(ctx, inputs, output):
