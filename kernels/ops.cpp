@@ -1,41 +1,8 @@
-// Schemas of the sbnet sparse-block ops. Implementations register per device in cpu/*.cpp and
+// The sbnet library: its schemas (kernels/schemas.h). Implementations register per device in cpu/*.cpp and
 // cuda/*.cu (TORCH_LIBRARY_IMPL); fake kernels and autograd formulas are registered from Python
-// (detector/ops/_library.py). Geometry arguments are (rows, columns) pairs; see kernels/README.md.
-//
-// Layouts: every map [N, C, H, W] may be NCHW-contiguous or channels-last (NHWC) contiguous; block
-// tensors [K, C, h, w] take their map's layout (gather returns them so; scatter and the adjoints require
-// it). Other stride patterns are rejected with a message naming the op and the argument.
+// (detector/ops/_library.py).
 #include <torch/library.h>
 
-TORCH_LIBRARY(sbnet, m) {
-  // Active blocks of mask [N, 1, H, W] on the grid (bsize, bstride, boffset) with bcount blocks:
-  // int32 [K, 3] rows (n, by, bx), ascending. Max (or mean, avgpool) over the in-map part > tol.
-  m.def("reduce_mask(Tensor mask, int[2] bsize, int[2] bstride, int[2] boffset, int[2] bcount, "
-        "float tol, bool avgpool) -> Tensor");
-  // blocks[k] = x[n, :, boffset_h + by*bstride_h : ... + bsize_h, ...]; out-of-map pixels = 0.
-  // The blocks have x's layout.
-  m.def("sparse_gather(Tensor x, Tensor indices, int[2] bsize, int[2] bstride, int[2] boffset) -> Tensor");
-  // Adjoint of sparse_gather: zeros of input_size [N, C, H, W] (channels-last when channels_last) plus each
-  // block added at its window (overlapping windows add up in a fixed phase order: deterministic).
-  m.def("sparse_gather_backward(Tensor grad_blocks, Tensor indices, int[] input_size, int[2] bstride, "
-        "int[2] boffset, bool channels_last=False) -> Tensor");
-  // The same, adding the blocks into grad_x itself (grad_x in the blocks' layout).
-  m.def("sparse_gather_backward_(Tensor grad_blocks, Tensor indices, Tensor(a!) grad_x, int[2] bstride, "
-        "int[2] boffset) -> ()");
-  // Copy of base with each tile blocks[k] [K, C, th, tw] combined at boffset + (by, bx) * bstride, clipped
-  // to the map: out = relu?(base (+ if add) tile) on the tile, base elsewhere. Requires bstride >= tile
-  // size (tiles do not overlap) and unique indices. Output in base's layout.
-  m.def("sparse_scatter(Tensor blocks, Tensor indices, Tensor base, int[2] bstride, int[2] boffset, "
-        "bool add, bool relu=False) -> Tensor");
-  // The same, writing into base itself.
-  m.def("sparse_scatter_(Tensor blocks, Tensor indices, Tensor(a!) base, int[2] bstride, "
-        "int[2] boffset, bool add, bool relu=False) -> ()");
-  // Adjoint of sparse_scatter given grad_out (base's layout) and, for relu, out_tiles: the scatter's
-  // output at the tiles [K, C, th, tw] (on = out_tiles > 0; ignored without relu):
-  //   grad_blocks = grad_out at the tiles * on   (0 outside the map)
-  //   grad_base   = grad_out with each in-map tile pixel replaced by (add ? grad_out * on : 0)
-  // Either is skipped (an undefined tensor returned) when its need_* flag is false.
-  m.def("sparse_scatter_backward(Tensor grad_out, Tensor indices, Tensor? out_tiles, int[2] tile, "
-        "int[2] bstride, int[2] boffset, bool add, bool relu, bool need_blocks, bool need_base) "
-        "-> (Tensor, Tensor)");
-}
+#include "schemas.h"
+
+TORCH_LIBRARY(sbnet, m) { sbnet::define_schemas(m); }

@@ -3,7 +3,7 @@
 ``load()`` compiles it once with :func:`torch.utils.cpp_extension.load` (``-O2``, no OpenMP: the
 emulation is serial on purpose) into ``build/sbnet_cuda_emulation/torch<version>/`` (ninja rebuilds
 only what changed) and returns ``torch.ops.sbnet_emu``, whose ops have the schemas of
-``kernels/ops.cpp`` and run the CUDA files' host code and element bodies on CPU tensors.
+``kernels/schemas.h`` and run the CUDA files' host code and element bodies on CPU tensors.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 // CPU emulation of the sbnet CUDA kernels, built only for the tests (tests/cuda_emulation.py).
 //
-// Registers the ops of kernels/ops.cpp under the namespace sbnet_emu (torch.ops.sbnet_emu.*, CPU
+// Registers the ops of kernels/schemas.h under the namespace sbnet_emu (torch.ops.sbnet_emu.*, CPU
 // tensors). Each op is the CUDA file's own host code (cuda/<op>.h: checks, allocation, dtype dispatch,
 // the sequence of launches, e.g. the adjoint's phase order) instantiated with EmuExec instead of
 // CudaExec: a launch runs the kernel's grid-stride loop serially on the host, calling the same functor,
@@ -8,6 +8,8 @@
 // device guard, and concurrency itself (the kernels' one-writer-per-element argument is checked by
 // running each launch's elements in reverse order too: SBNET_EMU_REVERSE=1).
 #include <torch/library.h>
+
+#include "schemas.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -42,23 +44,8 @@ struct EmuExec {
 }  // namespace emulate
 }  // namespace sbnet
 
-// The schemas of kernels/ops.cpp (tests/test_ops_cuda_bodies.py checks that they are the same).
-TORCH_LIBRARY(sbnet_emu, m) {
-  m.def("reduce_mask(Tensor mask, int[2] bsize, int[2] bstride, int[2] boffset, int[2] bcount, "
-        "float tol, bool avgpool) -> Tensor");
-  m.def("sparse_gather(Tensor x, Tensor indices, int[2] bsize, int[2] bstride, int[2] boffset) -> Tensor");
-  m.def("sparse_gather_backward(Tensor grad_blocks, Tensor indices, int[] input_size, int[2] bstride, "
-        "int[2] boffset, bool channels_last=False) -> Tensor");
-  m.def("sparse_gather_backward_(Tensor grad_blocks, Tensor indices, Tensor(a!) grad_x, int[2] bstride, "
-        "int[2] boffset) -> ()");
-  m.def("sparse_scatter(Tensor blocks, Tensor indices, Tensor base, int[2] bstride, int[2] boffset, "
-        "bool add, bool relu=False) -> Tensor");
-  m.def("sparse_scatter_(Tensor blocks, Tensor indices, Tensor(a!) base, int[2] bstride, "
-        "int[2] boffset, bool add, bool relu=False) -> ()");
-  m.def("sparse_scatter_backward(Tensor grad_out, Tensor indices, Tensor? out_tiles, int[2] tile, "
-        "int[2] bstride, int[2] boffset, bool add, bool relu, bool need_blocks, bool need_base) "
-        "-> (Tensor, Tensor)");
-}
+// The schemas of the sbnet library (kernels/schemas.h), as sbnet_emu.
+TORCH_LIBRARY(sbnet_emu, m) { sbnet::define_schemas(m); }
 
 TORCH_LIBRARY_IMPL(sbnet_emu, CPU, m) {
   using sbnet::emulate::EmuExec;
