@@ -297,13 +297,13 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, tiny_root):
     assert straight.returncode == 0, straight.stderr[-3000:]
     out = tmp_path / "b"
     proc = subprocess.Popen([sys.executable, "scripts/train.py", f"paths.output_dir={out}", *common], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 600
     # a checkpoint file of step 7 exists only once step 6's saves, last.ckpt included, are done (the step file
     # is written before last.ckpt: waiting for step 6's file raced with last.ckpt, which could still say 5)
     while time.time() < deadline and not any(int(p.stem[-6:]) >= 7 for p in (out / "checkpoints").glob("*step0*.ckpt")):
         time.sleep(0.2)
-    os.kill(proc.pid, signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)  # the run and its loader worker (a killed run's orphaned worker lingers)
     proc.wait()
     last = out / "checkpoints" / "last.ckpt"
     step = load_checkpoint(last)["global_step"]
