@@ -299,7 +299,7 @@ class SparseConvChain(nn.Module):
             span = None if traced else BlockSpan.of(ic)
             masks.append([level_masks(ic, lv, span) for lv in geo.levels])
         if len(idx_chunks) > 1:
-            return run_chunked(self, x, base, idx_chunks, masks, geo, add=identity and self.preact)
+            return run_chunked(self, x, base, idx, idx_chunks, masks, geo, add=identity and self.preact)
 
         known = [None] * len(self.slots)
         if identity:  # one gather, the tiles combined into x (or a copy): relu(x + tile) for post-activation

@@ -74,6 +74,7 @@ def run_chunked(
     chain: Chain,
     x: torch.Tensor,
     base: torch.Tensor,
+    idx: torch.Tensor,
     idx_chunks: list[torch.Tensor],
     masks: list[list[LevelMasks]],
     geo: ChainGeometry,
@@ -104,7 +105,6 @@ def run_chunked(
     if grad:
         chunks = zip(idx_chunks, masks, strict=True)
         tiles = torch.cat([checkpoint(final, x, ic, mc, *stats, use_reentrant=False) for ic, mc in chunks])
-        idx = torch.cat(idx_chunks)
         scatter = sparse_scatter if base is x else sparse_scatter_  # into a copy of x, or a fresh zero map
         out = scatter(tiles, idx, base, bp, add=add)
     else:
