@@ -109,6 +109,7 @@ class DetectorModule(L.LightningModule):
         self._val_records: list[FrameRecords] = []
         self._val_image = None
         self.last_metrics: dict | None = None
+        self._plan_macs = [0, 0.0, 0.0]  # training steps with a plan, sum of mac_ratio, sum of mac_bound
 
     # --- data -------------------------------------------------------------------------------------
     def transfer_batch_to_device(self, batch: Batch, device: torch.device, dataloader_idx: int) -> Batch:
@@ -168,10 +169,19 @@ class DetectorModule(L.LightningModule):
         if out.plan is None:
             return
         self.log_dict(out.plan.as_scalars(), batch_size=1)
+        if out.plan.macs:
+            self._plan_macs = [self._plan_macs[0] + 1, self._plan_macs[1] + out.plan.mac_ratio(),
+                               self._plan_macs[2] + out.plan.mac_bound()]
         exp = getattr(self.logger, "experiment", None)
         for plan in self.model.backbone.planner.take_new():
             if exp is not None and hasattr(exp, "add_text") and self.trainer.is_global_zero:
                 exp.add_text("plan", "```\n" + plan.describe() + "\n```", self.global_step)
+
+    def plan_summary(self) -> dict[str, float] | None:
+        """Mean over this process's training steps of the plan's MACs / dense and of its bound (None without
+        a plan): what the active tiles and halos let the convolutions save."""
+        n, ratio, bound = self._plan_macs
+        return {"steps": n, "mac_ratio": ratio / n, "mac_bound": bound / n} if n else None
 
     def on_validation_epoch_start(self) -> None:
         self._val_records = []

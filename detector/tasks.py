@@ -124,7 +124,8 @@ def validate_config(cfg: DictConfig) -> None:
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Train, then (``evaluate_after``) evaluate the best checkpoint on the val split.
 
-    Returns {"output_dir", "best_ckpt", "metrics", "wall_s"}."""
+    Returns {"output_dir", "best_ckpt", "metrics", "wall_s", "fit_s", "evaluate_s", "plan"} (``plan``: the mean
+    MACs / dense of the training steps' plans and their bound, :meth:`DetectorModule.plan_summary`)."""
     t_start = time.time()
     validate_config(cfg)
     out_dir = Path(cfg.paths.output_dir)
@@ -157,16 +158,18 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if not logger:  # nothing to monitor the learning rate into
         callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, plugins=[AtomicCheckpointIO()])
+    t_fit = time.time()
     trainer.fit(module, datamodule=dm, ckpt_path=cfg.get("ckpt_path"))
-
-    result: dict[str, Any] = {"output_dir": str(out_dir), "best_ckpt": None, "metrics": None}
+    result: dict[str, Any] = {"output_dir": str(out_dir), "best_ckpt": None, "metrics": None,
+                              "fit_s": time.time() - t_fit, "plan": module.plan_summary()}
     ckpt_cb = trainer.checkpoint_callback
     candidates = [getattr(ckpt_cb, "best_model_path", ""), getattr(ckpt_cb, "last_model_path", "")] if ckpt_cb else []
     best = next((p for p in candidates if p and Path(p).is_file()), "")  # fast_dev_run saves none
     result["best_ckpt"] = best or None
     if cfg.get("evaluate_after") and best and trainer.is_global_zero:
+        t_eval = time.time()
         metrics = evaluate_checkpoint(best, cfg.data, out_dir / "eval", split=cfg.data.val_split)
-        result["metrics"] = metrics
+        result["metrics"], result["evaluate_s"] = metrics, time.time() - t_eval
         if logger:
             flat = {f"final/{c}_{m}_R40_{lvl}": v for c, ms in metrics.items() if isinstance(ms, dict)
                     for m, r in ms.items() if isinstance(r, dict) and "R40" in r

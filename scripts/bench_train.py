@@ -5,8 +5,10 @@
 
 Each run is ``scripts/train.py data.root=ROOT [model=dense]`` in a subprocess (the default schedule,
 then the evaluation of its best checkpoint on the val split). Writes
-``{"dense": <metric JSON>, "sparse": <metric JSON>, "wall_s": {"dense": .., "sparse": ..}, ...}`` and a
-markdown table beside it.
+``{"dense": <metric JSON>, "sparse": <metric JSON>, "wall_s": {"dense": .., "sparse": ..}, "fit_s": {..},
+"plan": {"sparse": {"mac_ratio", "mac_bound", "steps"}, "dense": null}, ...}`` and a markdown table beside it
+(``fit_s``: training alone, without setup and the final evaluation; ``plan``: the mean MACs of the training
+steps' execution plans over dense, and the bound their active tiles and halos leave).
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ def main(argv=None) -> int:
         run = json.loads((out_dir / "run.json").read_text())
         result[name] = run["metrics"]
         result["wall_s"][name] = round(time.time() - t0, 1)
+        result.setdefault("fit_s", {})[name] = round(run.get("fit_s", float("nan")), 1)
+        result.setdefault("plan", {})[name] = run.get("plan")
         result["runs"][name] = {"command": " ".join(cmd[1:]), "output_dir": str(out_dir), "best_ckpt": run["best_ckpt"]}
     result["load_avg_after"] = os.getloadavg()
     out = Path(args["out"])
@@ -60,11 +64,22 @@ def main(argv=None) -> int:
             r = result[name]["Car"][metric]["R40"]
             rows.append(f"| {name} | Car {metric} AP R40 | {r['easy']:.2f} | {r['moderate']:.2f} | {r['hard']:.2f} | "
                         f"{result['wall_s'][name]:.0f} |")
+    notes = []
+    if {"sparse", "dense"} <= set(result["wall_s"]):
+        w, f = result["wall_s"], result["fit_s"]
+        notes.append(f"sparse / dense: wall {w['sparse'] / w['dense']:.2f}, "
+                     f"training (fit) {f['sparse'] / f['dense']:.2f}.")
+    for name, p in result.get("plan", {}).items():
+        if p:
+            notes.append(f"{name}: the plans of its {p['steps']} training steps convolve {p['mac_ratio']:.2f} of the "
+                         f"dense MACs on average; the active tiles and halos bound it at {p['mac_bound']:.2f} (every "
+                         f"stage at its fewest MACs), i.e. a conv-only speedup bound of {1 / p['mac_bound']:.2f}x.")
     out.with_suffix(".md").write_text(
         "# Training on the simulated sample (CPU, 2 cores)\n\n`python scripts/bench_train.py "
         + " ".join(argv if argv is not None else sys.argv[1:]) + f"` - {result['machine']}, torch {result['torch']}, "
         + f"{result['threads']} threads, allocator {result['env']} (load before "
-        + f"{result['load_avg_before']}, after {result['load_avg_after']})\n\n" + "\n".join(rows) + "\n")
+        + f"{result['load_avg_before']}, after {result['load_avg_after']})\n\n" + "\n".join(rows) + "\n\n"
+        + "\n".join(notes) + "\n")
     print(out.with_suffix(".md").read_text())
     return 0
 

@@ -59,6 +59,25 @@ def test_choice_follows_the_cost_rule():
     assert choose([fixed], flat_cost(), training=False).choices == (16,)
 
 
+def test_mac_counts_and_bound_follow_the_halo_rule():
+    """Counted by hand: a 3x3 conv 8 -> 8 on a 1 x 64 x 64 map is 64*64*8*8*9 MACs dense; sparse, each active
+    8-px tile convolves its 8 x 8 output from a 10 x 10 block (8*8*8*8*9), and two chained 3x3 convs convolve a
+    10 x 10 then an 8 x 8 output per tile (halo of the second conv). A projection adds a 1x1 conv over the
+    output tile. The bound takes each stage's fewest MACs; the plan's ratio its chosen option's."""
+    one = SparseConvChain(8, (8,), (3,), (1,))
+    two = SparseConvChain(8, (8, 16), (3, 3), (1, 1), shortcut="projection")
+    assert cost_mod.dense_macs(one, 1, 64, 64) == 64 * 64 * 8 * 8 * 9
+    assert cost_mod.sparse_macs(one, 64, 64, 8, 3) == 3 * 8 * 8 * 8 * 8 * 9
+    assert cost_mod.sparse_macs(two, 64, 64, 8, 1) == 10 * 10 * 8 * 8 * 9 + 8 * 8 * 8 * 16 * 9 + 8 * 8 * 8 * 16
+    one_px = torch.zeros(1, 1, 64, 64)
+    one_px[0, 0, 30, 30] = 1
+    inp = measure("conv", "auto", [one], (1, 64, 64), one_px, None, (8, 16))
+    plan = choose([inp], flat_cost(unit_s=1.0), training=False)  # the fixed cost makes dense the choice
+    assert plan.choices == (DENSE,) and plan.mac_ratio() == 1.0
+    assert plan.mac_bound() == pytest.approx((8 * 8) / (64 * 64))  # one 8-px tile of 64 x 64
+    assert "bound" in plan.describe()
+
+
 def test_same_inputs_same_plan():
     torch.manual_seed(1)
     mask = (torch.rand(2, 1, 96, 128) > 0.97).float()
@@ -75,10 +94,30 @@ def test_same_inputs_same_plan():
 
 
 # --- the cost cache -------------------------------------------------------------------------------------
-def _fake_calibration(monkeypatch) -> list[int]:
+def _fake_calibration(monkeypatch, busy: str | None = None) -> list[int]:
     calls = []
     monkeypatch.setattr(cost_mod, "calibrate", lambda device, dtype: calls.append(1) or flat_cost(1e-4))
+    monkeypatch.setattr(cost_mod, "machine_busy", lambda device: busy)  # whatever else this machine runs
     return calls
+
+
+def test_calibration_on_a_busy_machine_is_used_but_not_cached(tmp_path, monkeypatch):
+    calls = _fake_calibration(monkeypatch, busy="load 8.4 on 2 CPUs")
+    path = tmp_path / "plan_cost.json"
+    for expected_calls in (1, 2):  # not cached: measured again, warned again
+        with pytest.warns(RuntimeWarning) as rec:
+            assert load_or_calibrate(path, "cpu", torch.float32) == flat_cost(1e-4)
+        assert len(rec) == 1 and "busy (load 8.4 on 2 CPUs)" in str(rec[0].message)
+        assert len(calls) == expected_calls and not path.exists()
+
+
+def test_machine_busy_reads_the_load_against_the_cores(monkeypatch):
+    monkeypatch.setattr(cost_mod.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(cost_mod.os, "getloadavg", lambda: (1.0, 0.0, 0.0))  # this process alone
+    assert cost_mod.machine_busy("cpu") is None
+    monkeypatch.setattr(cost_mod.os, "getloadavg", lambda: (3.5, 0.0, 0.0))
+    assert cost_mod.machine_busy("cpu") == "load 3.5 on 2 CPUs"
+    assert cost_mod.machine_busy("cuda") is None
 
 
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"key": {"machine": "elsewhere"}, "cost": {}}),

@@ -40,7 +40,8 @@ from detector.machine import cpu_model
 
 from .geometry import chain_geometry
 
-__all__ = ["CostModel", "calibrate", "load_or_calibrate", "cost_key", "default_cost_file", "CALIBRATION_SHAPES"]
+__all__ = ["CostModel", "dense_macs", "sparse_macs", "calibrate", "load_or_calibrate", "cost_key", "default_cost_file",
+           "machine_busy", "CALIBRATION_SHAPES"]
 
 CALIBRATION_SHAPES = "v1: conv3x3 32->32 on 1x128x128 and on (128/T)^2 blocks of T+2 for T in 8,16,32; chain 8ch 16x16"
 TILES = (8, 16, 32)
@@ -81,16 +82,15 @@ class CostModel:
     # ------------------------------------------------------------------------------------ estimates
     def dense(self, chain, N: int, H: int, W: int, training: bool) -> float:
         """Estimated seconds of ``chain`` (a SparseConvChain) run dense on an ``N x H x W`` map."""
-        work, h, w = 0.0, H, W
-        cins = [chain.in_channels] + [c.out_channels for c in chain.convs[:-1]]
-        for spec, cin, conv in zip(chain.specs, cins, chain.convs, strict=True):
+        work = dense_macs(chain, N, H, W) * self.dense_mac
+        h, w = H, W
+        for spec, conv in zip(chain.specs, chain.convs, strict=True):
             h = (h + 2 * spec.padding - spec.ksize) // spec.stride + 1
             w = (w + 2 * spec.padding - spec.ksize) // spec.stride + 1
-            px = N * h * w
-            work += px * conv.out_channels * (cin * spec.ksize**2 * self.dense_mac + 2 * self.pass_)
+            work += N * h * w * conv.out_channels * 2 * self.pass_
         px_out = N * h * w * chain.out_channels
         if chain.shortcut == "projection":
-            work += px_out * chain.in_channels * self.dense_mac + px_out * self.pass_
+            work += px_out * self.pass_
         if chain.shortcut != "none":
             work += px_out * self.pass_
         return (3 if training else 1) * work + (self.dense_unit_train if training else self.dense_unit)
@@ -103,13 +103,9 @@ class CostModel:
         geo = chain_geometry(H, W, chain.specs, tile)
         lv = geo.levels
         area = [lv_.extent[0] * lv_.extent[1] for lv_ in lv]
-        cins = [chain.in_channels] + [c.out_channels for c in chain.convs[:-1]]
-        per_block = 0.0
-        for i, (spec, cin, conv) in enumerate(zip(chain.specs, cins, chain.convs, strict=True)):
-            per_block += area[i + 1] * cin * conv.out_channels * spec.ksize**2 * self.mac_per_tile(tile)
+        per_block = sparse_macs(chain, H, W, tile, 1) * self.mac_per_tile(tile)
+        for i, conv in enumerate(chain.convs):
             per_block += 3 * area[i + 1] * conv.out_channels * self.pass_
-        if chain.shortcut == "projection":
-            per_block += area[-1] * chain.in_channels * chain.out_channels * self.mac_per_tile(tile)
         per_block += (area[0] * chain.in_channels + tile * tile * chain.out_channels) * self.move
         work = blocks * per_block
         Ho, Wo = lv[-1].map_size
@@ -120,6 +116,35 @@ class CostModel:
         elif base != "inplace":
             raise ValueError(f"CostModel.sparse: base must be zeros, copy or inplace, got {base!r}")
         return (3 if training else 1) * work + (self.sparse_unit_train if training else self.sparse_unit)
+
+
+# ------------------------------------------------------------------------------------------ MAC counts
+def dense_macs(chain, N: int, H: int, W: int) -> int:
+    """Multiply-accumulates of ``chain`` (a SparseConvChain) run dense on an ``N x H x W`` map (its
+    convolutions and the projection shortcut)."""
+    macs, h, w = 0, H, W
+    cins = [chain.in_channels] + [c.out_channels for c in chain.convs[:-1]]
+    for spec, cin, conv in zip(chain.specs, cins, chain.convs, strict=True):
+        h = (h + 2 * spec.padding - spec.ksize) // spec.stride + 1
+        w = (w + 2 * spec.padding - spec.ksize) // spec.stride + 1
+        macs += N * h * w * conv.out_channels * cin * spec.ksize**2
+    if chain.shortcut == "projection":
+        macs += N * h * w * chain.out_channels * chain.in_channels
+    return macs
+
+
+def sparse_macs(chain, H: int, W: int, tile: int, blocks: int) -> int:
+    """Multiply-accumulates of ``chain`` run sparse on ``blocks`` active blocks of output ``tile`` on an
+    ``H x W`` map: every convolution over its whole block extent, halos included (the halos are the price
+    of VALID convolutions on gathered blocks), the projection over the output tile's extent."""
+    lv = chain_geometry(H, W, chain.specs, tile).levels
+    area = [v.extent[0] * v.extent[1] for v in lv]
+    cins = [chain.in_channels] + [c.out_channels for c in chain.convs[:-1]]
+    per_block = sum(area[i + 1] * cin * conv.out_channels * spec.ksize**2
+                    for i, (spec, cin, conv) in enumerate(zip(chain.specs, cins, chain.convs, strict=True)))
+    if chain.shortcut == "projection":
+        per_block += area[-1] * chain.in_channels * chain.out_channels
+    return blocks * per_block
 
 
 # ------------------------------------------------------------------------------------------ calibration
@@ -211,10 +236,22 @@ def default_cost_file(device: str | torch.device, dtype: torch.dtype) -> Path:
     return root / f"plan_cost_{torch.device(device).type}_{str(dtype).removeprefix('torch.')}.json"
 
 
+def machine_busy(device: str | torch.device) -> str | None:
+    """Why a CPU calibration now would be distorted, or None: other processes keep the cores busy (the
+    1-minute load average above the CPU count less one, i.e. more runnable work than the cores left beside
+    this process). A core shared with another process stretches every OpenMP region, which inflates the
+    fixed per-unit costs most (tens of milliseconds instead of a fraction of one). CUDA: never busy."""
+    if torch.device(device).type != "cpu" or not hasattr(os, "getloadavg"):
+        return None
+    load, cpus = os.getloadavg()[0], os.cpu_count() or 1
+    return f"load {load:.1f} on {cpus} CPUs" if load > max(cpus - 1, 1) else None
+
+
 def load_or_calibrate(path: str | Path | None, device: str | torch.device, dtype: torch.dtype) -> CostModel:
     """The cached cost model at ``path`` (default :func:`default_cost_file`) if it was calibrated under this
     :func:`cost_key`; else (missing: silently; foreign or unreadable: with one warning) calibrate and
-    rewrite the file (atomically; an unwritable place only warns)."""
+    rewrite the file (atomically; an unwritable place only warns). A calibration on a busy machine
+    (:func:`machine_busy`) is used but not written, with one warning."""
     path = Path(path) if path is not None else default_cost_file(device, dtype)
     key = cost_key(device, dtype)
     if path.is_file():
@@ -227,7 +264,13 @@ def load_or_calibrate(path: str | Path | None, device: str | torch.device, dtype
             return CostModel.from_dict(saved["cost"])
         except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
             warnings.warn(f"plan cost model {path}: {e}; recalibrating", RuntimeWarning, stacklevel=2)
+    busy = machine_busy(device)
     cost = calibrate(device, dtype)
+    if busy:  # a calibration under someone else's load misprices every fixed cost: use it, don't keep it
+        warnings.warn(f"plan cost model: calibrated while the machine was busy ({busy}); the plan uses it for "
+                      f"this run but it is not cached in {path} (measured again next time)", RuntimeWarning,
+                      stacklevel=2)
+        return cost
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")

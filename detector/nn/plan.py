@@ -28,10 +28,11 @@ import torch.distributed as dist
 
 from detector.ops import reduce_mask
 
-from .cost import CostModel, load_or_calibrate
+from .cost import CostModel, dense_macs, load_or_calibrate, sparse_macs
 from .geometry import chain_geometry
 
-__all__ = ["DENSE", "AUTO", "CANDIDATES", "StageInput", "Plan", "Planner", "measure", "choose", "check_setting"]
+__all__ = ["DENSE", "AUTO", "CANDIDATES", "StageInput", "Plan", "Planner", "measure", "choose", "stage_macs",
+           "check_setting"]
 
 DENSE = "dense"
 AUTO = "auto"
@@ -65,11 +66,13 @@ class StageInput:
 
 @dataclass(frozen=True)
 class Plan:
-    """Per stage: ``choices[i]`` (a tile or 'dense') and the estimated milliseconds of each option."""
+    """Per stage: ``choices[i]`` (a tile or 'dense'), the estimated milliseconds of each option and its
+    multiply-accumulates (:func:`stage_macs`: halos included)."""
 
     names: tuple[str, ...]
     choices: tuple[int | str, ...]
     estimates_ms: tuple[tuple[tuple[int | str, float], ...], ...]
+    macs: tuple[tuple[tuple[int | str, int], ...], ...] = ()
 
     def choice(self, name: str) -> int | str:
         return self.choices[self.names.index(name)]
@@ -80,11 +83,28 @@ class Plan:
         for n, c, est in zip(self.names, self.choices, self.estimates_ms, strict=True):
             opts = ", ".join(f"{k}: {v:.2f}" for k, v in est)
             lines.append(f"  {n:<12} {c!s:>5}   estimated ms: {opts}")
+        if self.macs:
+            lines.append(f"  MACs of the plan / dense {self.mac_ratio():.3f}; with every stage at its fewest MACs "
+                         f"(active tiles and halos: the bound) {self.mac_bound():.3f}")
         return "\n".join(lines)
 
+    def mac_ratio(self) -> float:
+        """Multiply-accumulates of the chosen options over those of the all-dense run."""
+        chosen = sum(dict(m)[c] for c, m in zip(self.choices, self.macs, strict=True))
+        return chosen / max(1, sum(dict(m)[DENSE] for m in self.macs))
+
+    def mac_bound(self) -> float:
+        """The fewest multiply-accumulates any option gives per stage, over the all-dense run's: the speedup
+        bound ``1 / mac_bound()`` that the active tiles and their halos leave (conv stages only)."""
+        return sum(min(v for _, v in m) for m in self.macs) / max(1, sum(dict(m)[DENSE] for m in self.macs))
+
     def as_scalars(self) -> dict[str, float]:
-        """``plan/<stage>`` = the tile, 0 for dense (TensorBoard scalars)."""
-        return {f"plan/{n}": float(0 if c == DENSE else c) for n, c in zip(self.names, self.choices, strict=True)}
+        """``plan/<stage>`` = the tile, 0 for dense, and ``plan/mac_ratio``, ``plan/mac_bound`` (TensorBoard
+        scalars)."""
+        out = {f"plan/{n}": float(0 if c == DENSE else c) for n, c in zip(self.names, self.choices, strict=True)}
+        if self.macs:
+            out.update({"plan/mac_ratio": self.mac_ratio(), "plan/mac_bound": self.mac_bound()})
+        return out
 
 
 def measure(name: str, setting: int | str, units: Sequence, x_shape: Sequence[int], mask_first: torch.Tensor | None,
@@ -120,13 +140,24 @@ def stage_cost(inp: StageInput, option: int | str, cost: CostModel, training: bo
         cost.sparse(u, N, Hr, Wr, option, kr, "inplace", training) for u in rest)
 
 
+def stage_macs(inp: StageInput, option: int | str) -> int:
+    """Multiply-accumulates of the stage run dense or sparse with that tile (halos included)."""
+    (N, H, W), (Hr, Wr) = inp.shape, inp.rest_hw
+    first, rest = inp.units[0], inp.units[1:]
+    if option == DENSE:
+        return dense_macs(first, N, H, W) + sum(dense_macs(u, N, Hr, Wr) for u in rest)
+    _, k1, kr = next(c for c in inp.counts if c[0] == option)
+    return sparse_macs(first, H, W, option, k1) + sum(sparse_macs(u, Hr, Wr, option, kr) for u in rest)
+
+
 def choose(inputs: Sequence[StageInput], cost: CostModel, training: bool) -> Plan:
     """THE decision (pure): per stage its set value, or for 'auto' the option of least estimated cost
     (dense first, then the tiles in increasing order; a later option must be strictly cheaper)."""
-    choices, estimates = [], []
+    choices, estimates, macs = [], [], []
     for inp in inputs:
         options = [DENSE] + sorted(c[0] for c in inp.counts)
         est = [(o, stage_cost(inp, o, cost, training)) for o in options]
+        macs.append(tuple((o, stage_macs(inp, o)) for o in options))
         if inp.setting == AUTO:
             best = est[0]
             for o in est[1:]:
@@ -136,7 +167,7 @@ def choose(inputs: Sequence[StageInput], cost: CostModel, training: bool) -> Pla
         else:
             choices.append(inp.setting)
         estimates.append(tuple((o, 1e3 * s) for o, s in est))
-    return Plan(tuple(i.name for i in inputs), tuple(choices), tuple(estimates))
+    return Plan(tuple(i.name for i in inputs), tuple(choices), tuple(estimates), tuple(macs))
 
 
 def _distributed() -> bool:
@@ -227,4 +258,4 @@ def _from_rank0(plan: Plan, device: torch.device) -> Plan:
     t = torch.tensor([0 if c == DENSE else int(c) for c in plan.choices], dtype=torch.int64, device=dev)
     dist.broadcast(t, src=0)
     choices = tuple(DENSE if v == 0 else int(v) for v in t.tolist())
-    return Plan(plan.names, choices, plan.estimates_ms)
+    return Plan(plan.names, choices, plan.estimates_ms, plan.macs)
