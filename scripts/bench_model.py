@@ -3,7 +3,7 @@
     python scripts/bench_model.py [quick=false] [bev=kitti] [arch=pixor] [batches=1,4] [frames=8] [reps=3]
                                   [masks=none,road_map,predicted,ground] [block_size=16] [head_block_size=16]
                                   [mask_train_steps=150] [root=data/sim_kitti] [out=benchmarks/model_cpu.json]
-                                  [device=cpu] [dtype=float32|bfloat16|float16]
+                                  [device=cpu] [dtype=float32|bfloat16|float16] [ckpt_path=...]
 
 For each mask and batch size: wall time per frame of voxelize → mask → backbone → neck+head → decode
 (eval mode, no autograd) on the simulated val frames, the mean mask sparsity, the time shares, and the
@@ -22,6 +22,12 @@ activates a growing share of the deeper stages' tiles. ``mask_recall`` is the me
 cells inside the mask (detector/models/mask_quality.py). ``block_size=auto`` (and ``head_block_size=auto``) runs
 the execution plan (detector/nn/plan.py); the plan chosen at batch 1 and 4 is printed. ``device``/``dtype``: the
 model and its BEV input on that device in that dtype (the GPU check runs ``device=cuda dtype=bfloat16``).
+
+``ckpt_path``: time a trained detector instead (its grid, architecture, plan settings and weights, the mask
+network it trained included; ``bev``/``arch``/``block_size`` are then the checkpoint's). ``mask=predicted``
+needs a checkpoint trained with it. Beside each speedup: ``MACs`` (the plan's multiply-accumulates over
+dense, halos included) and ``bound`` (every stage at its fewest MACs: the speedup the active tiles and halos
+allow the convolutions, ``1 / bound``), and the backbone's per-stage milliseconds (where the time goes).
 """
 
 from __future__ import annotations
@@ -44,13 +50,18 @@ from detector.data.structures import collate_frames
 from detector.machine import cpu_model
 from detector.models.losses import mask_loss
 from detector.models.mask_quality import TILE_STRIDES, box_recall, class_boxes, tile_activity
-from detector.tasks import build_datamodule, build_grid, build_model
+from detector.tasks import build_datamodule, build_grid, build_model, load_detector
 
 USAGE = __doc__
 REPO = Path(__file__).resolve().parents[1]
 PIXOR = ["model.backbone.stem_channels=32", "model.backbone.stage_units=[3,6,6,3]",
          "model.backbone.stage_channels=[96,192,256,384]", "model.backbone.bottleneck=true",
          "model.neck_channels=128", "model.head_channels=96"]
+
+
+def speedup(mac_share: float) -> str:
+    """``1 / mac_share`` as a speedup (an empty mask runs no MACs: no bound)."""
+    return f"{1 / mac_share:.2f}x" if mac_share > 0 else "unbounded (no MACs)"
 
 
 def compose_cfg(args: dict, mask: str):
@@ -92,7 +103,7 @@ def time_config(model, provider, frames, batch: int, reps: int, device: torch.de
     grid = model.grid
     batches = [frames[i:i + batch] for i in range(0, len(frames) - batch + 1, batch)]
     totals: dict[str, float] = {}
-    sparsity, tiles, recalls, plans, n_frames, wall = [], [], [], set(), 0, 0.0
+    sparsity, tiles, recalls, plans, n_frames, wall, macs = [], [], [], set(), 0, 0.0, []
     for rep in range(reps + 1):  # the first pass warms up (allocations, oneDNN primitives, the plan's calibration)
         for fr in batches:
             t0 = time.perf_counter()
@@ -115,6 +126,7 @@ def time_config(model, provider, frames, batch: int, reps: int, device: torch.de
             sparsity.append(out.sparsity)
             if out.plan is not None:
                 plans.add(" ".join(f"{n}:{c}" for n, c in zip(out.plan.names, out.plan.choices, strict=True)))
+                macs.append((out.plan.mac_ratio(), out.plan.mac_bound()))
             if out.mask is not None:
                 tiles.append(tile_activity(out.mask))
                 recalls.append(box_recall(out.mask, class_boxes(b.gt_boxes, b.gt_names, ["Car"]), grid))
@@ -126,15 +138,20 @@ def time_config(model, provider, frames, batch: int, reps: int, device: torch.de
     shares = {k: v / wall for k, v in totals.items()}
     act = np.mean(tiles, axis=0).tolist() if tiles else [1.0] * len(TILE_STRIDES)
     rec = torch.cat(recalls) if recalls else torch.zeros(0)
+    mac = np.mean(macs, axis=0).tolist() if macs else [1.0, 1.0]
     return {"ms_per_frame": ms, "sparsity": float(np.mean(sparsity)), "shares": shares, "tiles": act,
-            "mask_recall": float(rec.mean()) if len(rec) else None, "plans": sorted(plans)}
+            "mask_recall": float(rec.mean()) if len(rec) else None, "plans": sorted(plans),
+            "mac_ratio": mac[0], "mac_bound": mac[1],
+            "stage_ms": {k.removeprefix("backbone/"): 1000 * v / n_frames for k, v in totals.items()
+                         if k.startswith("backbone/")}}
 
 
 def main(argv=None) -> int:
     args = parse_args(argv, {"quick": False, "bev": "kitti", "arch": "pixor", "batches": "1,4", "frames": 8,
                              "reps": 3, "masks": "none,road_map,predicted,ground", "block_size": "16",
                              "mask_train_steps": 150, "root": "data/sim_kitti", "head_block_size": "16",
-                             "out": "benchmarks/model_cpu.json", "device": "cpu", "dtype": "float32"}, USAGE)
+                             "out": "benchmarks/model_cpu.json", "device": "cpu", "dtype": "float32",
+                             "ckpt_path": ""}, USAGE)
     if args["dtype"] not in ("float32", "bfloat16", "float16"):
         raise SystemExit(f"error: dtype={args['dtype']}: expected float32, bfloat16 or float16")
     device, dtype = torch.device(args["device"]), getattr(torch, args["dtype"])
@@ -147,13 +164,19 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     cfg0 = compose_cfg(args, "none")
     grid = build_grid(cfg0.bev)
+    if args["ckpt_path"]:
+        grid = load_detector(args["ckpt_path"], "none")[0].grid
+        args.update(bev=f"of {args['ckpt_path']}", arch="of the checkpoint", block_size="of the checkpoint",
+                    head_block_size="of the checkpoint")
     dm = build_datamodule(cfg0.data, None, grid, sparse=False)
     val = dm.dataset("val")
     n = max(args["frames"], max(batches))
     frames = [val[i] for i in range(min(n, len(val)))]
-    road_ds = build_datamodule(compose_cfg(args, "road_map").data, compose_cfg(args, "road_map").mask, grid,
-                               sparse=True).dataset("val")
-    road_frames = [road_ds[i] for i in range(len(frames))]
+    road_frames = None  # read only when timed: they need the road maps (open3d), which not every machine has
+    if "road_map" in masks:
+        road_cfg = compose_cfg(args, "road_map")
+        road_ds = build_datamodule(road_cfg.data, road_cfg.mask, grid, sparse=True).dataset("val")
+        road_frames = [road_ds[i] for i in range(len(frames))]
     train_ds = dm.dataset("train")
     print(f"bench_model: bev={args['bev']} ({grid.H}x{grid.W}x{grid.C}) arch={args['arch']} "
           f"frames={len(frames)} threads={torch.get_num_threads()} "
@@ -163,13 +186,16 @@ def main(argv=None) -> int:
     dense_ms = {}
     base_state = None
     for mask in ["none"] + [m for m in masks if m != "none"]:
-        cfg = compose_cfg(args, mask)
-        model = build_model(cfg.model, cfg.mask, grid)
-        if base_state is None:
-            base_state = model.state_dict()
-        model.load_state_dict(base_state, strict=False)  # the same weights for every mask
+        if args["ckpt_path"]:
+            model, cfg = load_detector(args["ckpt_path"], mask)
+        else:
+            cfg = compose_cfg(args, mask)
+            model = build_model(cfg.model, cfg.mask, grid)
+            if base_state is None:
+                base_state = model.state_dict()
+            model.load_state_dict(base_state, strict=False)  # the same weights for every mask
         provider = instantiate(cfg.mask.provider) if cfg.mask.get("provider") else None
-        if model.mask_net is not None:
+        if model.mask_net is not None and not args["ckpt_path"]:
             t = time.perf_counter()
             train_frames = [train_ds[i] for i in range(min(64, len(train_ds)))]
             train_mask_net(model, train_frames, args["mask_train_steps"])
@@ -186,12 +212,15 @@ def main(argv=None) -> int:
                    "shares": {k: round(v, 4) for k, v in r["shares"].items()}, "block_size": args["block_size"],
                    "tiles": {str(st): round(a, 3) for st, a in zip(TILE_STRIDES, r["tiles"], strict=True)},
                    "mask_recall": r["mask_recall"], "plans": r["plans"], "device": args["device"],
-                   "dtype": args["dtype"], "head_block_size": args["head_block_size"]}
+                   "dtype": args["dtype"], "head_block_size": args["head_block_size"],
+                   "mac_ratio": round(r["mac_ratio"], 4), "mac_bound": round(r["mac_bound"], 4),
+                   "stage_ms": {k: round(v, 2) for k, v in r["stage_ms"].items()}}
             rows.append(row)
             sh = " ".join(f"{k} {100 * v:.0f}%" for k, v in row["shares"].items())
             print(f"  mask={mask:<9} batch={b}  {row['ms_per_frame']:8.1f} ms/frame  sparsity {row['sparsity']:.3f}  "
                   f"speedup {row['speedup_vs_dense']:.2f}x   [{sh}]  tiles {list(row['tiles'].values())}  "
-                  f"recall {row['mask_recall']}  plans {row['plans']}")
+                  f"recall {row['mask_recall']}  MACs {row['mac_ratio']:.3f} bound {row['mac_bound']:.3f}  "
+                  f"stages ms {row['stage_ms']}  plans {row['plans']}")
     cpu = cpu_model()
     meta = {"machine": f"{platform.machine()}, {cpu}, {os.cpu_count()} CPUs", "torch": torch.__version__,
             "device": args["device"], "dtype": args["dtype"],
@@ -202,15 +231,18 @@ def main(argv=None) -> int:
         out = Path(args["out"])
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        md = ["| mask | batch | ms/frame | sparsity | speedup vs dense | voxelize | mask | backbone | head | decode "
+        md = ["| mask | batch | ms/frame | sparsity | speedup vs dense | MACs (plan / dense) | MAC bound (speedup) "
+              "| voxelize | mask | backbone | head | decode | backbone ms/frame per stage (stem, 1, 2, ...) "
               "| active 16-px tiles at stride 1 / 2 / 4 / 8 / 16 |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             s = r["shares"]
             shares = " | ".join(f"{100 * s.get(k, 0):.0f}%" for k in ("voxelize", "mask", "backbone", "head", "decode"))
             tiles = " / ".join(f"{a:.2f}" for a in r["tiles"].values())
+            stages = " / ".join(f"{v:.1f}" for v in r["stage_ms"].values())
             md.append(f"| {r['mask']} | {r['batch']} | {r['ms_per_frame']:.1f} | {r['sparsity']:.3f} | "
-                      f"{r['speedup_vs_dense']:.2f}x | {shares} | {tiles} |")
+                      f"{r['speedup_vs_dense']:.2f}x | {r['mac_ratio']:.2f} | {r['mac_bound']:.2f} "
+                      f"({speedup(r['mac_bound'])}) | {shares} | {stages} | {tiles} |")
         out.with_suffix(".md").write_text(
             f"# Detector inference on the CPU\n\n`{meta['command']}` — bev={args['bev']}, arch={args['arch']}, "
             f"{meta['machine']}, torch {meta['torch']}, {meta['threads']} threads, load {meta['load_avg']}, "

@@ -73,7 +73,8 @@ def main(argv=None) -> int:
         if p:
             notes.append(f"{name}: the plans of its {p['steps']} training steps convolve {p['mac_ratio']:.2f} of the "
                          f"dense MACs on average; the active tiles and halos bound it at {p['mac_bound']:.2f} (every "
-                         f"stage at its fewest MACs), i.e. a conv-only speedup bound of {1 / p['mac_bound']:.2f}x.")
+                         f"stage at its fewest MACs), i.e. a conv-only speedup bound of "
+                         f"{1 / p['mac_bound'] if p['mac_bound'] else float('inf'):.2f}x.")
     out.with_suffix(".md").write_text(
         "# Training on the simulated sample (CPU, 2 cores)\n\n`python scripts/bench_train.py "
         + " ".join(argv if argv is not None else sys.argv[1:]) + f"` - {result['machine']}, torch {result['torch']}, "

@@ -171,7 +171,7 @@ class BevDetector(nn.Module):
         t = self._tick(times, "mask", t)
         plan = None
         if mask is None:
-            feats = self.backbone(bev, mask)
+            feats = self.backbone(bev, mask, times=times if self.timing else None)
             t = self._tick(times, "backbone", t)
             heat, reg = self.head(self.neck(feats))
             self._tick(times, "head", t)
@@ -190,7 +190,8 @@ class BevDetector(nn.Module):
         exported programs run this with the modes frozen): heatmap logits and regression."""
         times = {} if times is None else times
         t = time.perf_counter() if self.timing else 0.0
-        feats = self.backbone(bev, mask, modes=list(modes[: len(self.backbone.stages)]))
+        feats = self.backbone(bev, mask, modes=list(modes[: len(self.backbone.stages)]),
+                              times=times if self.timing else None)
         t = self._tick(times, "backbone", t)
         neck_modes, head_mode = modes[len(self.backbone.stages): -1], modes[-1]
         for chain, m in zip(self.neck.smooth, neck_modes, strict=True):

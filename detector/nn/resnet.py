@@ -28,6 +28,7 @@ on inactive tiles too; on active tiles every choice gives the same output.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -230,9 +231,10 @@ class SparseResNet(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
-                modes: list[int | str] | None = None) -> list[torch.Tensor]:
+                modes: list[int | str] | None = None, times: dict[str, float] | None = None) -> list[torch.Tensor]:
         """``modes``: the plan's choice per stage (stem first), e.g. from a plan made for the whole
-        detector; None: the configured block sizes, 'auto' ones planned here."""
+        detector; None: the configured block sizes, 'auto' ones planned here. ``times``: if given, each
+        stage's wall seconds are added to it under ``backbone/<stage>`` (synchronizing on CUDA)."""
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             raise ValueError(
                 f"SparseResNet: x must be a [N, C, H, W] tensor, got {getattr(x, 'shape', type(x))}"
@@ -257,11 +259,21 @@ class SparseResNet(nn.Module):
                 modes = list(self.planner.decide(self.plan_inputs(tuple(x.shape), mask), x.device, x.dtype,
                                                  self.training).choices)
         feats = []
-        for i, stage in enumerate(self.stages):
+        for i, (name, stage) in enumerate(zip(self.stage_names, self.stages, strict=True)):
+            t0 = _now(x) if times is not None else 0.0
             dense = mask is None or modes[i] == DENSE
             if not dense:
                 stage.set_block_size(int(modes[i]))
             x, mask = stage(x, mask, dense=dense)
             if i > 0:
                 feats.append(x)
+            if times is not None:
+                key = f"backbone/{name}"
+                times[key] = times.get(key, 0.0) + _now(x) - t0
         return feats
+
+
+def _now(x: torch.Tensor) -> float:
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    return time.perf_counter()
