@@ -1,7 +1,14 @@
 """The README's main run, sparse and its dense twin, trained the same way; final metrics side by side.
 
     python scripts/bench_train.py [runs=sparse,dense] [root=data/sim_kitti] [out=benchmarks/train_sim_cpu.json]
-                                  [extra="..."]   (Hydra overrides added to every run)
+                                  [extra="..."] [side_by_side=false] [runs_dir=outputs/bench_train]
+                                  (extra: Hydra overrides added to every run)
+
+``side_by_side=true`` runs them at the same time, the cores split evenly between them
+(``OMP_NUM_THREADS``): on a machine that other work also loads, both then see the same load, so their
+ratio stays fair where one-after-the-other runs would each meet a different load (the table says how it
+ran; one thread per run favours the run of more, smaller operations - the sparse one - a little less
+than the threads it would share otherwise).
 
 Each run is ``scripts/train.py data.root=ROOT [model=dense]`` in a subprocess (the default schedule,
 then the evaluation of its best checkpoint on the val split). Writes
@@ -26,9 +33,29 @@ REPO = Path(__file__).resolve().parents[1]
 OVERRIDES = {"sparse": [], "dense": ["model=dense"]}
 
 
+def _finish(name: str, started: tuple, result: dict) -> None:
+    """Wait for one run; record its wall time, metrics, training time and plan summary (nothing if it failed:
+    it printed its own error line)."""
+    proc, t0, out_dir, cmd, log = started
+    code = proc.wait()
+    wall = time.time() - t0
+    if log is not None:
+        log.close()
+    if code:
+        print(f"error: the {name} run failed (exit {code}); see its output above or in {out_dir / 'train.log'}",
+              file=sys.stderr)
+        return
+    run = json.loads((out_dir / "run.json").read_text())
+    result[name] = run["metrics"]
+    result["wall_s"][name] = round(wall, 1)
+    result.setdefault("fit_s", {})[name] = round(run.get("fit_s", float("nan")), 1)
+    result.setdefault("plan", {})[name] = run.get("plan")
+    result["runs"][name] = {"command": " ".join(cmd[1:]), "output_dir": str(out_dir), "best_ckpt": run["best_ckpt"]}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv, {"runs": "sparse,dense", "root": "data/sim_kitti", "out": "benchmarks/train_sim_cpu.json",
-                             "extra": ""}, __doc__)
+                             "extra": "", "side_by_side": False, "runs_dir": "outputs/bench_train"}, __doc__)
     import platform
 
     import torch
@@ -40,20 +67,34 @@ def main(argv=None) -> int:
                     "machine": f"{platform.machine()}, {cpu}, {os.cpu_count()} CPUs",
                     "threads": torch.get_num_threads(), "torch": torch.__version__,
                     "env": {k: os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")}}
-    for name in args["runs"].split(","):
-        out_dir = REPO / "outputs" / "bench_train" / f"{name}_{time.strftime('%Y-%m-%d_%H-%M-%S')}"
+    names = args["runs"].split(",")
+    env = dict(os.environ)
+    if args["side_by_side"]:
+        threads = max(1, (os.cpu_count() or 1) // len(names))
+        env["OMP_NUM_THREADS"] = str(threads)
+        result["threads"] = threads
+    result["side_by_side"] = bool(args["side_by_side"])
+    started = {}
+    for name in names:
+        out_dir = REPO / args["runs_dir"] / f"{name}_{time.strftime('%Y-%m-%d_%H-%M-%S')}"
         cmd = [sys.executable, "scripts/train.py", f"data.root={args['root']}", f"paths.output_dir={out_dir}",
                *OVERRIDES[name], *args["extra"].split()]
         print(" ".join(cmd), flush=True)
-        t0 = time.time()
-        if subprocess.run(cmd, cwd=REPO).returncode:  # the run printed its error line
-            return 1
-        run = json.loads((out_dir / "run.json").read_text())
-        result[name] = run["metrics"]
-        result["wall_s"][name] = round(time.time() - t0, 1)
-        result.setdefault("fit_s", {})[name] = round(run.get("fit_s", float("nan")), 1)
-        result.setdefault("plan", {})[name] = run.get("plan")
-        result["runs"][name] = {"command": " ".join(cmd[1:]), "output_dir": str(out_dir), "best_ckpt": run["best_ckpt"]}
+        log = None
+        if args["side_by_side"]:  # two progress bars on one terminal are unreadable: each run logs to a file
+            out_dir.mkdir(parents=True, exist_ok=True)
+            log = open(out_dir / "train.log", "w")  # noqa: SIM115 (closed when the run ends)
+            print(f"  its output: {out_dir / 'train.log'}", flush=True)
+        started[name] = (subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=log), time.time(), out_dir, cmd,
+                         log)
+        if not args["side_by_side"]:
+            _finish(name, started[name], result)
+            if name not in result["wall_s"]:
+                return 1
+    for name in names if args["side_by_side"] else []:
+        _finish(name, started[name], result)
+    if any(name not in result["wall_s"] for name in names):
+        return 1
     result["load_avg_after"] = os.getloadavg()
     out = Path(args["out"])
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -78,7 +119,8 @@ def main(argv=None) -> int:
     out.with_suffix(".md").write_text(
         "# Training on the simulated sample (CPU, 2 cores)\n\n`python scripts/bench_train.py "
         + " ".join(argv if argv is not None else sys.argv[1:]) + f"` - {result['machine']}, torch {result['torch']}, "
-        + f"{result['threads']} threads, allocator {result['env']} (load before "
+        + ("the runs side by side, " if result["side_by_side"] else "one run after the other, ")
+        + f"{result['threads']} threads each, allocator {result['env']} (load before "
         + f"{result['load_avg_before']}, after {result['load_avg_after']})\n\n" + "\n".join(rows) + "\n\n"
         + "\n".join(notes) + "\n")
     print(out.with_suffix(".md").read_text())

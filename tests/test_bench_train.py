@@ -1,0 +1,35 @@
+"""scripts/bench_train.py on a tiny dataset: both runs side by side, the table and the plan summary."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+from tests.test_plan import COST_OVERRIDE
+from tests.test_train import REPO, TINY
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("bench_train", REPO / "scripts" / "bench_train.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_train_side_by_side_writes_both_runs(tmp_path, tiny_root):
+    extra = [o for o in TINY if not o.startswith(("model.block_size", "model.head_block_size"))]
+    extra += ["model.block_size=auto", "model.head_block_size=auto", COST_OVERRIDE, "trainer.max_steps=2",
+              "logger=none", "trainer.limit_val_batches=0", "callbacks.model_checkpoint.monitor=null"]
+    out = tmp_path / "train.json"
+    assert _script().main([f"root={tiny_root}", f"out={out}", "side_by_side=true", f"runs_dir={tmp_path / 'runs'}",
+                           "extra=" + " ".join(extra)]) == 0
+    res = json.loads(out.read_text())
+    assert set(res["wall_s"]) == {"sparse", "dense"} and res["side_by_side"] and res["threads"] >= 1
+    assert all(res["wall_s"][n] >= res["fit_s"][n] > 0 for n in ("sparse", "dense"))
+    assert res["plan"]["dense"] is None  # the dense twin has no mask, no plan
+    p = res["plan"]["sparse"]
+    assert p["steps"] == 2 and 0 <= p["mac_bound"] <= p["mac_ratio"] <= 1
+    for n in ("sparse", "dense"):
+        assert (tmp_path / "runs").glob(f"{n}_*/train.log") and res[n]["Car"]["bev"]["R40"]["moderate"] >= 0
+    md = out.with_suffix(".md").read_text()
+    assert "side by side" in md and "sparse / dense: wall" in md and "bound" in md
