@@ -19,11 +19,14 @@ from detector.export import (
     graph_breaks,
     load_program,
 )
+from detector.ops import calc_block_params, reduce_mask
+from detector.ops.reference import reduce_mask as reference_reduce_mask
 from detector.tasks import load_detector, train
 
 from .test_train import _cfg
 
 TOL = 1e-4
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +121,39 @@ def test_onnx_model_uses_only_standard_operators(exported):
     assert domains <= {"", "ai.onnx"}
     ops = {n.op_type for n in model.graph.node} | {n.op_type for f in model.functions for n in f.node}
     assert {"NonZero", "Gather", "ScatterND", "Conv"} <= ops
+
+
+class _ReduceMask(torch.nn.Module):
+    def __init__(self, bp, tol: float, avgpool: bool) -> None:
+        super().__init__()
+        self.bp, self.tol, self.avgpool = bp, tol, avgpool
+
+    def forward(self, mask: torch.Tensor) -> torch.Tensor:
+        return reduce_mask(mask, self.bp, self.tol, self.avgpool)
+
+
+@pytest.mark.parametrize("avgpool", [False, True])
+def test_onnx_reduce_mask_equals_the_op(avgpool, tmp_path):
+    """Halo windows over the map's border, partial blocks at the bottom/right (maps not a multiple of the block),
+    stride 2, binary masks whose window means tie with tol (0.5: a tie is not active) and float masks; tol 0.1
+    with mask values float32(0.1), which is greater than the float64 0.1 the op compares with."""
+    g = torch.Generator().manual_seed(3)
+    for H, W, bsize, ksize, stride in ((37, 45, 10, 3, 1), (40, 29, 9, 3, 2), (33, 33, 8, 1, 1)):
+        bp = calc_block_params(H, W, bsize=bsize, ksize=ksize, stride=stride, padding=(ksize - 1) // 2)
+        masks = [(torch.rand(3, 1, H, W, generator=g) > 0.5).float(),  # binary: means of k / n, ties at 0.5
+                 torch.rand(3, 1, H, W, generator=g),
+                 torch.full((2, 1, H, W), 0.1) * (torch.rand(2, 1, H, W, generator=g) > 0.3)]
+        masks[0][1, 0, : H // 2] = 1.0  # the top half active, the bottom half tied or inactive
+        masks[0][1, 0, H // 2 :, : W // 2] = torch.tensor([1.0, 0.0]).repeat(W)[: W // 2]  # columns 1 0 1 0: mean 1/2
+        for tol, examples in ((0.5, masks[:2]), (0.1, masks[2:])):
+            program = torch.export.export(_ReduceMask(bp, tol, avgpool), (examples[0],),
+                                          dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=8)},))
+            runner = OnnxRunner(export_onnx(program, tmp_path / "reduce_mask.onnx"))
+            for mask in examples:
+                want = reduce_mask(mask, bp, tol, avgpool)
+                assert torch.equal(want, reference_reduce_mask(mask, bp, tol, avgpool))
+                got = torch.from_numpy(runner.session.run(None, {runner.names[0]: mask.numpy()})[0])
+                assert got.dtype == torch.int32 and torch.equal(got, want), (H, W, bsize, stride, tol)
 
 
 def test_export_command_and_bad_input(tiny_ckpt, tmp_path, capsys):
