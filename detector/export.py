@@ -6,8 +6,8 @@ when the mask comes from the data) -> heatmap logits and regression, through the
 plan frozen at export (``block_size=auto`` is planned once on the example input). The batch size and the
 number of active blocks are dynamic; the BEV grid is fixed. Decoding (top-k, NMS) stays in Python.
 
-- ``.pt2``: :func:`export_program`; :func:`load_program` loads it (it builds/loads the sbnet kernels first:
-  the program calls ``torch.ops.sbnet.*``).
+- ``.pt2``: :func:`export_program`; ``torch.export.load`` loads it after ``import detector`` (which loads the
+  built sbnet kernels: the program calls ``torch.ops.sbnet.*``); :func:`load_program` builds them first if needed.
 - ONNX: :func:`export_onnx` converts the program with :mod:`detector.ops.onnx`'s translations of the sbnet
   ops into standard operators (stock onnxruntime runs it; ``pip install .[export]``).
 

@@ -3,6 +3,9 @@ network within 1e-4 (fp32), sparse and dense, batch 1 and 3, an all-zero mask; t
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -110,6 +113,48 @@ def test_sparse_program_has_the_sbnet_ops_and_a_dynamic_block_count(exported):
     program = result["input"][1]
     targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
     assert {"sbnet.reduce_mask.default", "sbnet.sparse_gather.default", "sbnet.sparse_scatter.default"} <= targets
+
+
+# a fresh interpreter: import detector (nothing else of ours), torch.export.load, run; no kernel build on import
+_LOAD_ALONE = """
+import sys, torch
+import detector
+from detector.ops import _library
+loaded = _library._devices == {"cpu"}
+bev, mask, heat, reg = torch.load(sys.argv[2], weights_only=True)
+with torch.no_grad():
+    got = torch.export.load(sys.argv[1]).module()(bev, mask)
+err = max(float((a - b).abs().max()) for a, b in zip(got, (heat, reg)))
+print(loaded, "detector.export" in sys.modules, err)
+"""
+
+
+def test_a_saved_program_loads_after_import_detector_alone(exported, tmp_path):
+    model, result = exported
+    net, _, onnx = result["input"]
+    bev, mask = _inputs(model, 3, "sparse", seed=21)
+    with torch.no_grad():
+        heat, reg = net(bev, mask)
+    torch.save((bev, mask, heat, reg), tmp_path / "io.pt")
+    args = [str(onnx.path.with_suffix(".pt2")), str(tmp_path / "io.pt")]  # the fixture saved input.pt2 beside it
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, "-c", _LOAD_ALONE, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    loaded, export_imported, err = res.stdout.split()
+    assert (loaded, export_imported) == ("True", "False")
+    assert float(err) <= TOL
+    assert "building sbnet kernels" not in res.stdout + res.stderr
+
+
+def test_import_detector_does_not_build_the_kernels(tmp_path):
+    """An empty build folder: importing loads nothing and compiles nothing (the first use of the ops builds)."""
+    code = "import detector; from detector.ops import _library; print(sorted(_library._devices), _library._attempted)"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), DETECTOR_KERNELS_BUILD_DIR=str(tmp_path / "build"))
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ["[]", "False"]
+    assert not (tmp_path / "build").exists()
 
 
 def test_onnx_model_uses_only_standard_operators(exported):
