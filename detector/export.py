@@ -6,8 +6,8 @@ when the mask comes from the data) -> heatmap logits and regression, through the
 plan frozen at export (``block_size=auto`` is planned once on the example input). The batch size and the
 number of active blocks are dynamic; the BEV grid is fixed. Decoding (top-k, NMS) stays in Python.
 
-- ``.pt2``: :func:`export_program`; :func:`load_program` loads it (it builds/loads the sbnet kernels first:
-  the program calls ``torch.ops.sbnet.*``).
+- ``.pt2``: :func:`export_program`; ``torch.export.load`` loads it after ``import detector`` (which loads the
+  built sbnet kernels: the program calls ``torch.ops.sbnet.*``); :func:`load_program` builds them first if needed.
 - ONNX: :func:`export_onnx` converts the program with :mod:`detector.ops.onnx`'s translations of the sbnet
   ops into standard operators (stock onnxruntime runs it; ``pip install .[export]``).
 
@@ -108,9 +108,22 @@ def export_program(net: DeployNet, bev: torch.Tensor, mask: torch.Tensor | None,
 
 def compile_net(net: nn.Module, **kwargs) -> Callable:
     """``torch.compile(net)``: the block counts (reduce_mask's K, the level masks' ``nonzero``) are data-dependent
-    shapes, captured in the graph (``capture_dynamic_output_shape_ops``, set here) instead of breaking it."""
+    shapes, captured in the graph (``capture_dynamic_output_shape_ops``, set here) instead of breaking it.
+
+    A sparse network (any :class:`DeployNet` but the dense one, or another module) is compiled with inductor's
+    ``layout_optimization`` off. On the CPU inductor forces channels-last inputs on every convolution and takes
+    the output's strides from the fake convolution, but torch's fake convolution returns NCHW strides when a size
+    is unbacked (``torch._subclasses.fake_impls.conv``: no hint, no memory-format choice), while the real oneDNN
+    convolution of channels-last blocks ``[K, C, bh, bw]`` returns channels-last: the compiled graph then fails its
+    stride assertion (it would read the blocks in the wrong layout without it). Without the layout optimization
+    inductor gives every convolution the input layout the fake one predicts, which the real one then returns
+    (the maps stay channels-last: the backbone makes them so; the block convolutions run on NCHW copies). The
+    minimal case without our ops: ``conv2d(x[m.nonzero()[:, 0]].contiguous(memory_format=channels_last), w)``."""
     _kernels()
     torch._dynamo.config.capture_dynamic_output_shape_ops = True
+    dense = isinstance(net, DeployNet) and net.source == "none"
+    if kwargs.get("backend", "inductor") == "inductor" and not dense:
+        kwargs["options"] = {"layout_optimization": False, **(kwargs.get("options") or {})}
     return torch.compile(net, **kwargs)
 
 

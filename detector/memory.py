@@ -130,10 +130,11 @@ def _chain_bytes(c: _Chain, N: int, f: int, train: bool) -> tuple[int, int, int]
     identity = ch.shortcut == "identity"
     new_map = 0 if identity else out_map  # identity units write into their input (the stage's own map)
     chunk = ch.chunk_blocks(geo, f)
-    if K > chunk:  # chunked: one chunk's working set into a new output map (a copy of x for an identity unit);
+    if K > chunk:  # chunked: one chunk's working set (the same block tensors as one pass: its output tiles are
+        # the last level's blocks, already among them) into a new output map (a copy of x for an identity unit);
         # training keeps all output tiles (the chunks are recomputed in backward)
         scale = chunk / K
-        work = maps[0] + int(scale * (blocks[0] + 2 * max(blocks[1:]) + tiles)) + out_map
+        work = maps[0] + int(scale * (blocks[0] + 2 * max(blocks[1:]))) + out_map
         return (tiles + out_map if train else 0), work + (tiles if train else 0), out_map
     saved = blocks[0] + 2 * sum(blocks[1:]) + (tiles if identity or ch.proj is not None else 0)
     return (saved + new_map if train else 0), maps[0] + blocks[0] + 2 * max(blocks[1:]) + new_map, out_map

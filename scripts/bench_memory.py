@@ -10,6 +10,9 @@ buffers, optimizer state, the batch) plus the peak of the CPU allocator's events
 events; not RSS), for one training step (forward, loss, backward, optimizer step) after a warm-up step, or one
 inference forward (no grad). estimate: :func:`detector.memory.estimate` from the shapes and the mask's active
 blocks per chain (no layer runs). Rows whose estimate exceeds ``limit_mb`` are not measured (marked).
+``merge=true`` keeps the rows of ``out``.json that this run does not redo (same bev, batch, sparsity, mode) and
+adds this command to the recorded ones: a table measured in several runs (a shared machine) stays one file.
+``note=TEXT`` is recorded with the run (why rows were left unmeasured, the machine's state).
 """
 
 from __future__ import annotations
@@ -18,12 +21,15 @@ import dataclasses
 import gc
 import json
 import os
+import sys
+import time
 from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
 
 from detector.cli import parse_args
+from detector.machine import cpu_model
 from detector.memory import MB, estimate, measure_peak, tensor_bytes
 from detector.tasks import build_datamodule, build_grid, build_model
 
@@ -71,7 +77,9 @@ def run(bev: str, b: int, sparsity: str, modes: list[str], args: dict) -> list[d
             row["measured_mb"] = None
             row["note"] = f"not measured: estimate above limit_mb={args['limit_mb']}"
         else:
+            t0 = time.perf_counter()
             row["measured_mb"] = round(measure(model, batch, train) / MB, 1)
+            row["measure_s"] = round(time.perf_counter() - t0, 1)
             row["error_pct"] = round(100 * (row["estimate_mb"] - row["measured_mb"]) / row["measured_mb"], 1)
         print(json.dumps(row), flush=True)
         rows.append(row)
@@ -103,31 +111,61 @@ def measure(model, batch, train: bool) -> int:
     return base + measure_peak(step, dev)
 
 
-def main() -> None:
-    args = parse_args(None, {"bevs": "small,kitti", "batches": "1,2,4,8,16", "sparsities": "dense,0.5,0.7,0.9",
-                             "modes": "train,infer", "limit_mb": 6000.0, "root": "data/sim_kitti",
-                             "out": "benchmarks/memory_cpu"}, __doc__)
-    rows = []
-    for bev in args["bevs"].split(","):
-        for sparsity in args["sparsities"].split(","):
-            for b in (int(x) for x in args["batches"].split(",")):
-                rows += run(bev, b, sparsity, args["modes"].split(","), args)
-    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(),
-            "allocator": {k: os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")},
-            "measured": "tensors alive before + peak of torch.profiler CPU allocator events (not RSS)"}
-    out = Path(args["out"])
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+KEY = ("bev", "batch", "sparsity", "mode")
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    measured = [r for r in rows if "error_pct" in r]
+    worst = max(measured, key=lambda r: abs(r["error_pct"]), default=None)
+    within = sum(abs(r["error_pct"]) <= 10 for r in measured)
     lines = ["# Peak memory: estimate (detector/memory.py, from shapes) vs measured (CPU allocator events)", "",
-             "`python scripts/bench_memory.py` - CPU training config, fixed 16-px tiles, Adam, fp32; sparsity = share "
-             "of 16-px tiles inactive at stride 1 (random tiles); train = forward + loss + backward + optimizer step.",
-             "", "| bev | batch | sparsity | mode | estimate MB | measured MB | error % |",
-             "|---|---|---|---|---|---|---|"]
+             f"{meta.get('cpu')}, {meta['threads']} threads, torch {meta['torch']}, allocator {meta['allocator']}. "
+             "CPU training config (configs/model/sparse.yaml), fixed 16-px tiles, Adam, fp32, real sim frames; "
+             "sparsity = share of 16-px tiles inactive at stride 1 (random tiles); train = forward + loss + backward + "
+             "optimizer step after a warm-up step; measured = tensors alive before + peak of torch.profiler's CPU "
+             "allocator events (not RSS). Runs (merged; load average at their start and end):", ""]
+    lines += [f"- `{c}`" for c in meta.get("commands", [])]
+    lines += ["", *meta.get("notes", [])] if meta.get("notes") else []
+    lines += ["", f"{len(measured)} measured rows; |error| <= 10 % in {within}"
+              + (f"; largest |error| {worst['error_pct']:+.1f} % ({worst['bev']} batch {worst['batch']} sparsity "
+                 f"{worst['sparsity']} {worst['mode']})." if worst else "."), "",
+              "| bev | batch | sparsity | mode | estimate MB | measured MB | error % |",
+              "|---|---|---|---|---|---|---|"]
     for r in rows:
         meas = "-" if r["measured_mb"] is None else f"{r['measured_mb']:.1f}"
         err = f"{r['error_pct']:+.1f}" if "error_pct" in r else r.get("note", "")
         lines.append(f"| {r['bev']} | {r['batch']} | {r['sparsity']} | {r['mode']} | {r['estimate_mb']:.1f} | "
                      f"{meas} | {err} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    args = parse_args(None, {"bevs": "small,kitti", "batches": "1,2,4,8,16", "sparsities": "dense,0.5,0.7,0.9",
+                             "modes": "train,infer", "limit_mb": 6000.0, "root": "data/sim_kitti",
+                             "out": "benchmarks/memory_cpu", "merge": False, "note": ""},
+                      __doc__)
+    out = Path(args["out"])
+    command = " ".join(["python scripts/bench_memory.py", *(a for a in sys.argv[1:] if not a.startswith("note="))])
+    load_start = os.getloadavg()[0]
+    rows = []
+    for bev in args["bevs"].split(","):
+        for sparsity in args["sparsities"].split(","):
+            for b in (int(x) for x in args["batches"].split(",")):
+                rows += run(bev, b, sparsity, args["modes"].split(","), args)
+    command += f" (load {load_start:.1f} -> {os.getloadavg()[0]:.1f})"
+    meta = {"cpu": cpu_model(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "allocator": {k: os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")},
+            "measured": "tensors alive before + peak of torch.profiler CPU allocator events (not RSS)",
+            "commands": [command], "notes": [args["note"]] if args["note"] else []}
+    if args["merge"] and out.with_suffix(".json").is_file():
+        old = json.loads(out.with_suffix(".json").read_text())
+        meta["commands"] = old["meta"].get("commands", []) + meta["commands"]
+        meta["notes"] = [n for n in [old["meta"].get("note")] if n] + old["meta"].get("notes", []) + meta["notes"]
+        new = {tuple(r[k] for k in KEY): r for r in rows}
+        rows = [new.pop(tuple(r[k] for k in KEY), r) for r in old["rows"]] + list(new.values())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(meta, rows))
     print(f"wrote {out}.json and {out}.md")
 
 

@@ -10,6 +10,9 @@ rebuilds only what changed. It then registers, once, a fake (meta) kernel and an
 each op with :mod:`torch.library`. If no compiler is there or the build fails, the functional layer
 warns once and the ops run the pure-PyTorch reference (see :mod:`detector.ops.functional`).
 
+``import detector`` calls :func:`load_built`: the library is loaded if it is already built and up to date (no
+compiling at import), so that ``torch.export.load`` finds the ops of a saved program.
+
 ``DETECTOR_NO_KERNELS=1`` skips the build (reference only). ``make kernels`` calls ``load(verbose=True)``.
 """
 
@@ -18,18 +21,21 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import torch
 
-__all__ = ["load", "build", "sources", "has_kernels", "unavailable_reason", "kernels_dir", "build_dir"]
+__all__ = ["load", "load_built", "build", "sources", "has_kernels", "unavailable_reason", "kernels_dir", "build_dir"]
 
 _lock = threading.Lock()
 _attempted = False
 _devices: set[str] = set()  # device types the loaded extension serves
 _reason = "not built yet"
+_loaded: Path | None = None  # the shared library this process loaded (one sbnet library per process)
 _cuda_reason = ""
 
 
@@ -261,6 +267,14 @@ def build(with_cuda: bool, verbose: bool = False) -> Path:
     elif verbose:
         print(f"detector.ops: sbnet kernels ({variant}) cached in {out}; checking they are up to date",
               flush=True)
+    library = out / f"{name}.so"
+    if _loaded is not None and _loaded != library:
+        # the other variant is loaded here (import detector) and a second TORCH_LIBRARY(sbnet) cannot load: compile
+        # this one in a child process that loads none at import (make kernels-cuda on a machine without a GPU)
+        code = f"from detector.ops import _library; _library.build(with_cuda={with_cuda}, verbose={verbose})"
+        env = dict(os.environ, DETECTOR_NO_KERNELS="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        subprocess.run([sys.executable, "-c", code], env=env, check=True)
+        return library
     cpp_load(
         name=name,
         sources=files,
@@ -273,7 +287,7 @@ def build(with_cuda: bool, verbose: bool = False) -> Path:
         is_python_module=False,
         verbose=verbose,
     )
-    return out / f"{name}.so"
+    return library
 
 
 def load(verbose: bool = False) -> bool:
@@ -283,7 +297,7 @@ def load(verbose: bool = False) -> bool:
     records the reason (printed when ``verbose``; :func:`unavailable_reason` tells it, and the
     functional layer warns once with it).
     """
-    global _attempted, _cuda_reason
+    global _attempted, _cuda_reason, _loaded
     if _devices:  # loaded: no lock (torch.compile cannot trace one)
         return True
     with _lock:
@@ -297,18 +311,48 @@ def load(verbose: bool = False) -> bool:
         with_cuda, _cuda_reason = _cuda_wanted()
         start = time.perf_counter()
         try:
-            build(with_cuda, verbose)
+            library = build(with_cuda, verbose)
         except Exception as exc:  # missing sources or compiler, a compile or load error: all mean fallback
             if verbose:
                 print(exc, flush=True)
             lines = str(exc).strip().splitlines()
             return _fail(f"build failed: {type(exc).__name__}: {lines[-1] if lines else ''}", verbose)
         _register_python_side()
+        _loaded = library
         _devices.add("cpu")
         if with_cuda:
             _devices.add("cuda")
         if verbose:
             print(f"detector.ops: sbnet kernels ready ({time.perf_counter() - start:.1f} s)", flush=True)
+        return True
+
+
+def load_built() -> bool:
+    """Load the extension if it is already built and up to date, without compiling or running ninja; True when
+    the compiled ops are available afterwards. ``import detector`` calls it, so that a saved ``.pt2`` program
+    (which calls ``torch.ops.sbnet.*``) loads with ``torch.export.load`` in a fresh interpreter. A missing or
+    stale build is left to :func:`load` (first use of the ops, ``make kernels``): importing never compiles."""
+    global _attempted, _cuda_reason, _loaded
+    if _devices:
+        return True
+    if os.environ.get("DETECTOR_NO_KERNELS", "") not in ("", "0"):
+        return False
+    with_cuda, cuda_reason = _cuda_wanted()
+    library = build_dir(with_cuda) / f"sbnet_kernels_{'cuda' if with_cuda else 'cpu'}.so"
+    with _lock:
+        if _devices or _attempted:
+            return bool(_devices)
+        try:
+            if _stale(library, kernels_dir()):
+                return False
+            torch.ops.load_library(str(library))
+        except (OSError, RuntimeError, ValueError):  # unreadable sources, a library that does not load: load() decides
+            return False
+        _register_python_side()
+        _attempted, _cuda_reason, _loaded = True, cuda_reason, library
+        _devices.add("cpu")
+        if with_cuda:
+            _devices.add("cuda")
         return True
 
 

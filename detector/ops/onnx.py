@@ -4,10 +4,13 @@ Each translation does the op's sparse work with stock operators (any ONNX runtim
 domain): the active blocks are found in the graph from the mask, and the blocks are moved by index, so the
 convolutions between them still run on ``[K, C, bh, bw]`` blocks only.
 
-- ``reduce_mask``: the mask padded with -inf (a window wholly outside the map never wins), ``MaxPool``
-  with kernel ``bsize`` and stride ``bstride`` = each block's max over its in-map window, ``> tol``,
-  ``NonZero`` = the active (n, by, bx) rows in ascending order (the kernels' order). ``avgpool=True`` is
-  not translated (the models here do not use it).
+- ``reduce_mask``: ``max``: the mask padded with -inf (a window wholly outside the map never wins), ``MaxPool``
+  with kernel ``bsize`` and stride ``bstride`` = each block's max over its in-map window; ``avgpool=True``:
+  the mean over the window's in-map pixels (the op's mean, in float64): the mask (float64) and a map of ones,
+  zero-padded, each cut into the grid's windows by two ``Gather`` s of constant row/column indices and summed
+  (``ReduceSum``) = the in-map sum and pixel count, mean = sum / count where the count is not 0. Then
+  ``> tol`` (compared in float64, as the kernels compare), ``NonZero`` = the active (n, by, bx) rows in
+  ascending order (the kernels' order).
 - ``sparse_gather``: ``x`` zero-padded by the halo (the op's out-of-map zeros), viewed as
   ``[N * Hp * Wp, C]`` pixel rows, one ``Gather`` of the blocks' ``K * bh * bw`` pixel rows.
 - ``sparse_scatter`` (and the in-place ``sparse_scatter_`` after functionalization): ``base`` padded by
@@ -71,21 +74,53 @@ def _pad(t, top: int, left: int, bottom: int, right: int, value):
     return op.Pad(t, _ints([0, 0, top, left, 0, 0, bottom, right]), value)
 
 
+def _double(value: float):
+    """A float64 scalar constant (``Constant(value_float=...)`` would round it to float32)."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    return _op().Constant(value=numpy_helper.from_array(np.array(float(value), dtype=np.float64)))
+
+
+def _window_sums(t, bsize: Sequence[int], bstride: Sequence[int], bcount: Sequence[int]):
+    """``[N, 1, bcount_h, bcount_w]``: the sum of each grid window of ``t`` (padded so that window (0, 0) starts
+    at row/column 0 and every window lies inside), its rows and columns picked by constant indices."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    op = _op()
+
+    def windows(count: int, size: int, stride: int):  # [count, size]: row (column) i of window b
+        index = np.arange(count)[:, None] * stride + np.arange(size)[None, :]
+        return op.Constant(value=numpy_helper.from_array(index.astype(np.int64)))
+
+    rows = op.Gather(t, windows(bcount[0], bsize[0], bstride[0]), axis=2)  # [N, 1, bcount_h, bsize_h, Wp]
+    cells = op.Gather(rows, windows(bcount[1], bsize[1], bstride[1]), axis=4)  # [N, 1, bch, bsh, bcw, bsw]
+    return op.ReduceSum(cells, _ints([3, 5]), keepdims=0)
+
+
 def reduce_mask(mask, bsize: Sequence[int], bstride: Sequence[int], boffset: Sequence[int], bcount: Sequence[int],
                 tol: float, avgpool: bool):
-    if avgpool:
-        raise NotImplementedError("sbnet.reduce_mask with avgpool=True has no ONNX translation")
     op = _op()
     top, left = -int(boffset[0]), -int(boffset[1])
     # enough rows/columns at the bottom/right for every grid block's window (the extra windows are sliced off)
     bottom = max(0, (bcount[0] - 1) * bstride[0] + bsize[0])
     right = max(0, (bcount[1] - 1) * bstride[1] + bsize[1])
-    neg = op.CastLike(op.Constant(value_float=float("-inf")), mask)
-    padded = _pad(mask, top, left, bottom, right, neg)
-    pooled = op.MaxPool(padded, kernel_shape=list(bsize), strides=list(bstride))
-    pooled = pooled[0] if isinstance(pooled, (tuple, list)) else pooled  # (values, optional indices)
-    pooled = op.Slice(pooled, _ints([0, 0]), _ints(list(bcount)), _ints([2, 3]))
-    active = op.Greater(pooled, op.CastLike(op.Constant(value_float=float(tol)), mask))
+    if avgpool:  # mean over the in-map pixels: windows wholly outside the map (count 0) are never active
+        m = op.Cast(mask, to=11)  # float64, as the kernels take the mean
+        zero = op.CastLike(op.Constant(value_float=0.0), m)
+        total = _window_sums(_pad(m, top, left, bottom, right, zero), bsize, bstride, bcount)
+        ones = op.Expand(op.CastLike(op.Constant(value_float=1.0), m), op.Shape(m))
+        count = _window_sums(_pad(ones, top, left, bottom, right, zero), bsize, bstride, bcount)
+        mean = op.Div(total, op.Max(count, op.CastLike(op.Constant(value_float=1.0), m)))
+        active = op.And(op.Greater(count, zero), op.Greater(mean, _double(tol)))
+    else:
+        neg = op.CastLike(op.Constant(value_float=float("-inf")), mask)
+        padded = _pad(mask, top, left, bottom, right, neg)
+        pooled = op.MaxPool(padded, kernel_shape=list(bsize), strides=list(bstride))
+        pooled = pooled[0] if isinstance(pooled, (tuple, list)) else pooled  # (values, optional indices)
+        pooled = op.Slice(pooled, _ints([0, 0]), _ints(list(bcount)), _ints([2, 3]))
+        active = op.Greater(op.Cast(pooled, to=11), _double(tol))  # in float64, as the kernels compare
     rows = op.Transpose(op.NonZero(active), perm=[1, 0])  # [K, 4]: n, 0, by, bx (row-major = ascending)
     return op.Cast(op.Gather(rows, _ints([0, 2, 3]), axis=1), to=6)  # int32
 
