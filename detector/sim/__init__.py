@@ -14,8 +14,10 @@ One frame (:func:`detector.sim.writer.simulate_frame`):
    random ``dropout`` (and extra dropout on glass); nothing beyond ``max_range``. The range gets Gaussian
    noise (σ = ``range_noise``, clipped at ±3σ) along the ray, so a point keeps its beam's elevation.
    Reflectance = ``albedo · (0.5 + 0.5·cos(incidence))`` × log-normal noise, clipped to [0, 0.99] and
-   rounded to 0.01 as in KITTI's files; lane markings and zebra crossings are painted (bright), building
-   windows dark.
+   rounded to 0.01 as in KITTI's files; a weak return (``albedo · (20 m / r)²`` × a log-normal factor of
+   σ ``zero_spread`` below ``zero_signal``) reads 0, as ~14 % of KITTI's points do (most of them far away),
+   and so does a share of the returns from car paint, glass and tyres (``meshes.DARK``); lane markings and
+   zebra crossings are painted (bright), building windows dark.
 4. Labels (:func:`detector.sim.labels.label_frame`), following KITTI's rules:
 
    - candidates are the dynamic objects whose 3D box projects into the 1242×375 image (through P2);
