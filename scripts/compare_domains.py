@@ -2,7 +2,7 @@
 
     python scripts/compare_domains.py sim=ROOT [real=../shared/kitti_real] [baseline=ROOT] [split=all]
                                       [real_split=all] [max_frames=0] [bev=small]
-                                      [out=benchmarks/domains_cpu.json] [plots=benchmarks/domains]
+                                      [out=benchmarks/domains_cpu.json] [plots=benchmarks/domains] [note=]
 
 sim         a KITTI-format root (our simulator's output)
 real        the reference root (real KITTI frames)
@@ -12,6 +12,7 @@ baseline    optional second simulated root (e.g. written by the simulator before
 split       ImageSets/{split}.txt of the simulated roots, or ``all`` (every velodyne file)
 real_split  the same for ``real``
 bev         the BEV grid config (configs/bev/{bev}.yaml) the occupancy and channel statistics use
+note        a line for the report (e.g. how the roots were made)
 
 The statistics (detector/data/domains.py) are measured on each root; every 1-D statistic is compared to
 ``real`` with W1 (1-D Wasserstein distance), W1 / std of the real samples, and the KS statistic. Writes
@@ -51,6 +52,7 @@ DEFAULTS = {
     "bev": "small",
     "out": "benchmarks/domains_cpu.json",
     "plots": "benchmarks/domains",
+    "note": "",
 }
 COLORS = {"real": (0, 0, 0), "sim": (31, 119, 180), "before": (230, 120, 20)}
 
@@ -180,6 +182,7 @@ def report(domains: dict[str, DomainStats], distances: dict[str, list], meta: di
         "",
         f"`{meta['command']}`",
         "",
+        *([meta["note"], ""] if meta.get("note") else []),
         f"{meta['machine']}; {meta['seconds']:.0f} s. Frames: "
         + ", ".join(f"{n} {d.frames} ({d.root})" for n, d in domains.items())
         + ". Points in the left camera's field of view (FOV) unless stated; Car statistics over labeled Cars.",
@@ -290,6 +293,7 @@ def main(argv=None) -> int:
         f"{ {k: os.environ.get(k) for k in ('MALLOC_MMAP_MAX_', 'MALLOC_TRIM_THRESHOLD_')} }",
         "seconds": seconds,
         "bev": args["bev"],
+        "note": args["note"],
         "plots": [str(p) for p in plots],
     }
     text = report(order, distances, meta, grid)
