@@ -145,7 +145,7 @@ def plot(domains: dict[str, DomainStats], grid, out_dir: Path) -> list[Path]:
         ("car_length_m", "Car length", False),
         ("car_width_m", "Car width", False),
         ("car_height_m", "Car height", False),
-        ("car_yaw_deg", "Car yaw mod 180", False),
+        ("car_yaw_deg", "Car yaw folded to [-90, 90)", False),
         ("car_distance_m", "Car distance", False),
         (f"car_points_{band_name(*DISTANCE_BANDS[1])}", "log10(1+points) per Car 20-40 m", True),
     ):

@@ -64,7 +64,7 @@ STATISTICS: dict[str, tuple[str, str]] = {
     "car_length_m": ("m", "Car box length"),
     "car_width_m": ("m", "Car box width"),
     "car_height_m": ("m", "Car box height"),
-    "car_yaw_deg": ("deg", "Car yaw in the LiDAR frame, modulo 180 deg (front/back alike)"),
+    "car_yaw_deg": ("deg", "Car yaw in the LiDAR frame folded to [-90, 90) (front/back alike; 0: along x)"),
     "car_distance_m": ("m", "horizontal distance of a Car box centre"),
     "car_occlusion": ("level", "Car occlusion level (0 visible .. 3 unknown)"),
     "car_truncation": ("", "Car truncation"),
@@ -249,7 +249,7 @@ def collect(
             s["car_length_m"].append(t[:, 3])
             s["car_width_m"].append(t[:, 4])
             s["car_height_m"].append(t[:, 5])
-            s["car_yaw_deg"].append(np.degrees(np.mod(t[:, 6], np.pi)))
+            s["car_yaw_deg"].append(np.degrees(np.mod(t[:, 6] + np.pi / 2, np.pi) - np.pi / 2))
             s["car_distance_m"].append(dist[car])
             lab = f.labels.select(f.labels.name == "Car")
             s["car_occlusion"].append(lab.occluded)
