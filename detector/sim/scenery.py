@@ -52,17 +52,22 @@ def _buildings_across(st: Street, rng: np.random.Generator, yard_mat: int) -> li
     return parts
 
 
-def _bush(rng: np.random.Generator, u: float, v: float, base: float, height: float, length: float) -> list[Part]:
+_JITTER = 0.25  # radial irregularity of the foliage blobs
+
+
+def _bush(
+    rng: np.random.Generator, u: float, v: float, base: float, height: float, length: float, half_width: float
+) -> list[Part]:
     """A shrub: one to three overlapping, irregular foliage blobs ``height`` tall, about ``length`` long
-    along the street."""
+    along the street, reaching at most ``half_width`` across it from ``v``."""
     parts = []
     n = 1 + int(rng.integers(0, 3))
     for k in range(n):
         du = (k - (n - 1) / 2) * length / (n + 1)
         h = height * float(rng.uniform(0.75, 1.0))
         ru = length / (n + 1) * float(rng.uniform(0.9, 1.3))
-        rv = float(rng.uniform(0.4, 0.9))
-        parts.append(Part(ellipsoid((u + du, v, base + h / 2), (ru, rv, h / 2), M.FOLIAGE, 4, 8, rng, 0.25)))
+        rv = half_width / (1 + _JITTER) * float(rng.uniform(0.7, 1.0))
+        parts.append(Part(ellipsoid((u + du, v, base + h / 2), (ru, rv, h / 2), M.FOLIAGE, 4, 8, rng, _JITTER)))
     return parts
 
 
@@ -97,19 +102,19 @@ def _clutter(
         if rng.random() < p_bush:
             depth = max(setback, 0.8)
             v = front + side * float(rng.uniform(0.5, depth))
-            parts += _bush(rng, u, v, kh, float(rng.uniform(0.6, 2.0)), float(rng.uniform(1.0, 4.0)))
+            parts += _bush(rng, u, v, kh, float(rng.uniform(0.6, 2.0)), float(rng.uniform(1.0, 4.0)), 1.1)
         u += float(rng.uniform(3.0, 12.0))
     # On the sidewalk by the kerb: shrubs on the verge, bins and containers.
     u = u0 + float(rng.uniform(0.0, 20.0))
     while u < u1 - 2.0:
         r = rng.random()
         if r < 0.5 * p_bush:
-            length, h = float(rng.uniform(1.0, 3.0)), float(rng.uniform(0.5, 1.4))
-            v = kerb + side * float(rng.uniform(0.6, 1.0))
-            fp = (u - length / 2 - 0.2, u + length / 2 + 0.2, v - 0.9, v + 0.9)
+            length, h, hw = float(rng.uniform(1.0, 3.0)), float(rng.uniform(0.5, 1.4)), float(rng.uniform(0.35, 0.6))
+            v = kerb + side * (hw + 0.15)  # on the sidewalk, clear of the kerb
+            fp = (u - length / 2 - 0.2, u + length / 2 + 0.2, v - hw - 0.1, v + hw + 0.1)
             if occ.free(fp):
                 occ.add(fp)
-                parts += _bush(rng, u, v, kh, h, length)
+                parts += _bush(rng, u, v, kh, h, length, hw)
         elif r < 0.5 * p_bush + 0.15:
             hl, hw, h = float(rng.uniform(0.3, 1.0)), float(rng.uniform(0.3, 0.7)), float(rng.uniform(1.0, 1.6))
             v = kerb + side * (0.3 + hw)
