@@ -13,7 +13,7 @@ Measures, in one run:
 - with ``baseline=DIR`` (another source tree of this project, e.g. ``git worktree add /tmp/base <commit>``):
   the simulator of that tree against this one's, each in a fresh single-process Python (imports outside the
   timing), ``frames`` frames per try, the trees alternating for ``rounds`` rounds; the best try of each
-  (the least disturbed by other jobs) and their ratio.
+  (the least disturbed by other jobs) and their ratio, in frames per wall second and per CPU second.
 Prints a table and writes JSON to ``out`` and a markdown table beside it (same name, ``.md``). The
 machine's load average is recorded: timings on a shared machine are noisy, ratios within a run less so.
 """
@@ -55,14 +55,15 @@ from detector.sim import LidarSpec, generate_dataset, simulate_frame
 frames, columns = int(sys.argv[1]), int(sys.argv[2])
 simulate_frame(0, 0, LidarSpec(columns=columns))  # warm-up: imports and caches
 with tempfile.TemporaryDirectory(dir=sys.argv[3] or None) as tmp:
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     generate_dataset(tmp + "/d", frames, seed=0, workers=1, spec=LidarSpec(columns=columns), progress=False)
-    print(frames / (time.perf_counter() - t0))
+    print(frames / (time.perf_counter() - t0), frames / (time.process_time() - c0))
 """
 
 
-def _time_tree(tree: Path, frames: int, columns: int, workdir: str) -> float:
-    """Frames/s of the simulator of source tree ``tree`` (single process, fresh interpreter)."""
+def _time_tree(tree: Path, frames: int, columns: int, workdir: str) -> tuple[float, float]:
+    """(frames per wall second, frames per CPU second) of the simulator of source tree ``tree`` (single
+    process, fresh interpreter)."""
     import subprocess
 
     env = dict(os.environ, PYTHONPATH=str(tree))
@@ -72,7 +73,8 @@ def _time_tree(tree: Path, frames: int, columns: int, workdir: str) -> float:
     )
     if out.returncode != 0:
         raise SystemExit(f"error: baseline={tree}: the simulator failed there:\n{out.stderr[-2000:]}")
-    return float(out.stdout.split()[-1])
+    wall, cpu = out.stdout.split()[-2:]
+    return float(wall), float(cpu)
 
 
 def compare_trees(baseline: Path, frames: int, columns: int, rounds: int, workdir: str) -> dict:
@@ -80,10 +82,13 @@ def compare_trees(baseline: Path, frames: int, columns: int, rounds: int, workdi
     import subprocess
 
     tries: dict[str, list[float]] = {"baseline": [], "this": []}
+    cpu: dict[str, list[float]] = {"baseline": [], "this": []}
     load = os.getloadavg()
     for _ in range(rounds):
         for name, tree in (("baseline", baseline), ("this", REPO)):
-            tries[name].append(_time_tree(tree, frames, columns, workdir))
+            wall, per_cpu = _time_tree(tree, frames, columns, workdir)
+            tries[name].append(wall)
+            cpu[name].append(per_cpu)
 
     def commit(tree: Path) -> str:
         r = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
@@ -98,6 +103,9 @@ def compare_trees(baseline: Path, frames: int, columns: int, rounds: int, workdi
         "tries_frames_per_s": tries,
         "best_frames_per_s": best,
         "ratio_this_over_baseline": best["this"] / best["baseline"],
+        # frames per CPU second (the process's CPU time): what a shared machine's load disturbs least
+        "tries_frames_per_cpu_s": cpu,
+        "ratio_cpu_this_over_baseline": max(cpu["this"]) / max(cpu["baseline"]),
         "loadavg_before": [round(x, 2) for x in load],
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
     }
@@ -252,6 +260,11 @@ def table(r: dict) -> str:
             f"{b['best_frames_per_s']['this']:.2f} vs {b['best_frames_per_s']['baseline']:.2f} frames/s = "
             f"x{b['ratio_this_over_baseline']:.3f} (tries, this vs baseline: {tries}; load "
             f"{b['loadavg_before'][0]:.2f} / {b['loadavg_after'][0]:.2f})",
+        ))
+        c = b["tries_frames_per_cpu_s"]
+        rows.append((
+            "same, frames per CPU second (best try)",
+            f"{max(c['this']):.2f} vs {max(c['baseline']):.2f} = x{b['ratio_cpu_this_over_baseline']:.3f}",
         ))
     w = max(len(a) for a, _ in rows)
     lines = [f"| {'measure':<{w}} | value |", f"|{'-' * (w + 2)}|-------|"]
