@@ -1,7 +1,7 @@
 """Data benchmark: LiDAR simulator throughput and KITTI reader throughput on this machine.
 
     python scripts/bench_data.py [frames=40] [workers=2] [columns=2083] [read_passes=3]
-                                 [out=benchmarks/data_cpu.json] [workdir=]
+                                 [out=benchmarks/data_cpu.json] [workdir=] [baseline=] [rounds=3]
 
 Measures, in one run:
 - simulator frames/s single-process and with a pool of ``workers`` processes (wall clock, from the call
@@ -10,6 +10,10 @@ Measures, in one run:
 - points per frame and labeled cars per frame;
 - reader: frames/s and ms per frame of ``KittiRoot.read_frame`` (velodyne .bin + label + calib), after one
   warm-up pass, over ``read_passes`` passes of the pool's frames; also with the road map.
+- with ``baseline=DIR`` (another source tree of this project, e.g. ``git worktree add /tmp/base <commit>``):
+  the simulator of that tree against this one's, each in a fresh single-process Python (imports outside the
+  timing), ``frames`` frames per try, the trees alternating for ``rounds`` rounds; the best try of each
+  (the least disturbed by other jobs) and their ratio, in frames per wall second and per CPU second.
 Prints a table and writes JSON to ``out`` and a markdown table beside it (same name, ``.md``). The
 machine's load average is recorded: timings on a shared machine are noisy, ratios within a run less so.
 """
@@ -40,7 +44,79 @@ DEFAULTS = {
     "read_passes": 3,
     "out": "benchmarks/data_cpu.json",
     "workdir": "",
+    "baseline": "",
+    "rounds": 3,
 }
+REPO = Path(__file__).resolve().parents[1]
+# One try of the simulator in a fresh interpreter of a given source tree: prints frames/s.
+_TIME_ONE = """
+import sys, tempfile, time
+from detector.sim import LidarSpec, generate_dataset, simulate_frame
+frames, columns = int(sys.argv[1]), int(sys.argv[2])
+simulate_frame(0, 0, LidarSpec(columns=columns))  # warm-up: imports and caches
+with tempfile.TemporaryDirectory(dir=sys.argv[3] or None) as tmp:
+    t0, c0 = time.perf_counter(), time.process_time()
+    generate_dataset(tmp + "/d", frames, seed=0, workers=1, spec=LidarSpec(columns=columns), progress=False)
+    print(frames / (time.perf_counter() - t0), frames / (time.process_time() - c0))
+"""
+
+
+def _time_tree(tree: Path, frames: int, columns: int, workdir: str) -> tuple[float, float]:
+    """(frames per wall second, frames per CPU second) of the simulator of source tree ``tree`` (single
+    process, fresh interpreter)."""
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    out = subprocess.run(
+        [sys.executable, "-c", _TIME_ONE, str(frames), str(columns), workdir],
+        cwd=tree, env=env, capture_output=True, text=True, check=False,
+    )
+    if out.returncode != 0:
+        raise SystemExit(f"error: baseline={tree}: the simulator failed there:\n{out.stderr[-2000:]}")
+    wall, cpu = out.stdout.split()[-2:]
+    return float(wall), float(cpu)
+
+
+def compare_trees(baseline: Path, frames: int, columns: int, rounds: int, workdir: str) -> dict:
+    """The simulator of ``baseline`` against this tree's, alternating (see module doc)."""
+    import subprocess
+
+    tries: dict[str, list[float]] = {"baseline": [], "this": []}
+    cpu: dict[str, list[float]] = {"baseline": [], "this": []}
+    load = os.getloadavg()
+    for _ in range(rounds):
+        for name, tree in (("baseline", baseline), ("this", REPO)):
+            wall, per_cpu = _time_tree(tree, frames, columns, workdir)
+            tries[name].append(wall)
+            cpu[name].append(per_cpu)
+
+    def commit(tree: Path) -> str:
+        r = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        return r.stdout.strip() or "unknown"
+
+    best = {k: max(v) for k, v in tries.items()}
+    return {
+        "baseline_tree": str(baseline),
+        "baseline_commit": commit(baseline),
+        "this_commit": commit(REPO) + (" + uncommitted changes" if _dirty(REPO) else ""),
+        "frames_per_try": frames,
+        "tries_frames_per_s": tries,
+        "best_frames_per_s": best,
+        "ratio_this_over_baseline": best["this"] / best["baseline"],
+        # frames per CPU second (the process's CPU time): what a shared machine's load disturbs least
+        "tries_frames_per_cpu_s": cpu,
+        "ratio_cpu_this_over_baseline": max(cpu["this"]) / max(cpu["baseline"]),
+        "loadavg_before": [round(x, 2) for x in load],
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def _dirty(tree: Path) -> bool:
+    import subprocess
+
+    r = subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
+                       capture_output=True, text=True)
+    return bool(r.stdout.strip())
 GOAL_FPS, GOAL_READ_MS = 5.0, 10.0
 
 
@@ -175,6 +251,21 @@ def table(r: dict) -> str:
             f"{m['loadavg_before'][0]:.2f} / {m['loadavg_after'][0]:.2f} on {m['cpus_usable']} usable CPUs",
         ),
     ]
+    if "simulator_vs_baseline" in r:
+        b = r["simulator_vs_baseline"]
+        t = b["tries_frames_per_s"]
+        tries = " / ".join(f"{x:.2f} vs {y:.2f}" for x, y in zip(t["this"], t["baseline"], strict=True))
+        rows.append((
+            f"simulator vs baseline {b['baseline_commit']} (single process, best try)",
+            f"{b['best_frames_per_s']['this']:.2f} vs {b['best_frames_per_s']['baseline']:.2f} frames/s = "
+            f"x{b['ratio_this_over_baseline']:.3f} (tries, this vs baseline: {tries}; load "
+            f"{b['loadavg_before'][0]:.2f} / {b['loadavg_after'][0]:.2f})",
+        ))
+        c = b["tries_frames_per_cpu_s"]
+        rows.append((
+            "same, frames per CPU second (best try)",
+            f"{max(c['this']):.2f} vs {max(c['baseline']):.2f} = x{b['ratio_cpu_this_over_baseline']:.3f}",
+        ))
     w = max(len(a) for a, _ in rows)
     lines = [f"| {'measure':<{w}} | value |", f"|{'-' * (w + 2)}|-------|"]
     lines += [f"| {a:<{w}} | {b} |" for a, b in rows]
@@ -197,12 +288,19 @@ def markdown(result: dict, text: str) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv, DEFAULTS, USAGE)
-    for key, lo in (("frames", 1), ("workers", 1), ("columns", 8), ("read_passes", 1)):
+    for key, lo in (("frames", 1), ("workers", 1), ("columns", 8), ("read_passes", 1), ("rounds", 1)):
         if args[key] < lo:
             raise SystemExit(f"error: {key}={args[key]}: must be >= {lo}\n{USAGE}")
     with tempfile.TemporaryDirectory(prefix="bench_data_", dir=args["workdir"] or None) as tmp:
         result = run(args["frames"], args["workers"], args["columns"], args["read_passes"], Path(tmp))
     result["command"] = "python scripts/bench_data.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args["baseline"]:
+        base = Path(args["baseline"])
+        if not (base / "detector" / "sim").is_dir():
+            raise SystemExit(f"error: baseline={base}: not a source tree of this project (no detector/sim)")
+        result["simulator_vs_baseline"] = compare_trees(
+            base, args["frames"], args["columns"], args["rounds"], args["workdir"]
+        )
     text = table(result)
     print(text)
     out = Path(args["out"])

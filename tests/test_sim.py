@@ -28,9 +28,17 @@ from detector.sim.labels import (
     truncation,
     unclipped_image_boxes,
 )
-from detector.sim.meshes import Material, box, fit_to_box
-from detector.sim.scene import assemble_scene
-from detector.sim.sensor import LidarSpec, beam_elevations, camera_center, make_calibration, scan
+from detector.sim.meshes import ALBEDO, Material, box, fit_to_box
+from detector.sim.scene import assemble_scene, generate_scene
+from detector.sim.sensor import (
+    LidarSpec,
+    beam_elevations,
+    camera_center,
+    make_calibration,
+    open_rays,
+    ray_directions,
+    scan,
+)
 from detector.sim.street import Street
 from detector.sim.writer import generate_dataset, simulate_frame, write_frame
 
@@ -216,6 +224,60 @@ def test_density_falls_with_range_and_reflectance_is_kitti_like(frame):
     assert p[:, 3].min() >= 0 and p[:, 3].max() <= 0.99
     assert np.allclose(p[:, 3] * 100, np.round(p[:, 3] * 100), atol=1e-3)  # 0.01 steps like KITTI
     assert 0.1 < np.median(p[:, 3]) < 0.5
+
+
+def _flat_ground_scene():
+    ground = box((-150, -150, -1.73 - 0.5), (150, 150, -1.73), Material.ASPHALT)
+    return assemble_scene([(ground, 1.0)], [], Street.straight())
+
+
+def test_the_ego_car_blocks_the_rays_that_meet_its_roof():
+    """A ray whose direction meets the ``ego_body`` rectangle (at its height z) gives no point; without the
+    ego car the same scene has such points, and every ray counts as fired either way."""
+    scene = _flat_ground_scene()
+    x0, x1, y0, y1, z = LidarSpec().ego_body
+    for body, blocked_points in ((LidarSpec().ego_body, False), (None, True)):
+        spec = LidarSpec(columns=1024, dropout=0.0, range_noise=0.0, ego_body=body)
+        sweep = scan(scene, spec, np.random.default_rng(0))
+        p = sweep.points[:, :3].astype(np.float64)
+        s = z / p[:, 2]  # every point of this scene lies below the sensor
+        x, y = p[:, 0] * s, p[:, 1] * s
+        meets = (x > x0 + 1e-3) & (x < x1 - 1e-3) & (y > y0 + 1e-3) & (y < y1 - 1e-3)
+        assert meets.any() == blocked_points
+        assert sweep.rays == 64 * 1024
+    # Blocked rays are low beams behind the sensor: none ahead; none above the elevation of the rectangle's
+    # farthest corner, atan(0.5 / hypot(1.8, 0.85)) = 14.1 deg below the horizon.
+    d = ray_directions(1024)
+    blocked = np.setdiff1d(np.arange(len(d)), open_rays(1024, LidarSpec().ego_body))
+    lowest = -math.atan2(-z, math.hypot(x0, y1))
+    assert len(blocked) > 0 and (d[blocked, 0] < 0).all() and (d[blocked, 2] < math.sin(lowest)).all()
+
+
+def test_weak_returns_read_zero_reflectance():
+    """With no spread in the test, a return from asphalt (albedo 0.45, never DARK) reads 0 exactly when
+    0.45 · (20 m / r)² < zero_signal, i.e. beyond 20 · sqrt(0.45 / 0.1) = 42.4 m."""
+    spec = LidarSpec(columns=1024, dropout=0.0, range_noise=0.0, zero_spread=0.0, zero_signal=0.1)
+    sweep = scan(_flat_ground_scene(), spec, np.random.default_rng(0))
+    weak = ALBEDO[Material.ASPHALT] * (20.0 / np.maximum(sweep.t, 1.0)) ** 2 < 0.1
+    assert weak.any() and (~weak).any()
+    assert np.array_equal(sweep.points[:, 3] == 0, weak)
+
+
+def test_static_scenery_keeps_off_the_road():
+    """Shrubs, walls, bins, trees, lamps and signs stand beside the road: between the kerbs (and on the cross
+    street) nothing static rises 0.3-1.8 m above the ground, where it would look like an unlabeled car."""
+    for i in range(6):
+        rng = np.random.default_rng(i)
+        scene = generate_scene(rng, make_calibration(rng))
+        st = scene.street
+        v = scene.vertices[scene.triangles[scene.tri_object == -1]].reshape(-1, 3).astype(np.float64)
+        uv = st.to_street(v[:, :2])
+        h = v[:, 2] - st.ground_z(uv[:, 0], uv[:, 1])
+        u, w, e = uv[:, 0], uv[:, 1], 0.01  # 1 cm inside the road: parts may end exactly at its border
+        inside = st.drivable(u - e, w) & st.drivable(u + e, w) & st.drivable(u, w - e) & st.drivable(u, w + e)
+        on_road = inside & (h > 0.3) & (h < 1.8)
+        assert not on_road.any(), (i, v[on_road][:5])
+    assert (scene.tri_material == Material.FOLIAGE).any()
 
 
 # --------------------------------------------------------------------------------------------------

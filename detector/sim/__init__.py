@@ -9,13 +9,17 @@ One frame (:func:`detector.sim.writer.simulate_frame`):
    from +2.0° to −24.8°: 32 upper beams 1/3° apart, 32 lower beams about 0.52° apart, like the HDL-64E's two laser
    blocks) × ``columns`` azimuths over 360° from the sensor, 1.70–1.76 m above the road. The HDL-64E S2
    fires about 1.33 M pulses/s, i.e. about 2080 per laser per revolution at 10 Hz (0.17°); the default is
-   2083 columns (0.173°), 133 k rays. A return needs enough signal: ``albedo · cos(incidence) · (20 m /
-   r)²`` must exceed ``min_signal`` (so dark surfaces at grazing angles and long range drop out), plus a
-   random ``dropout`` (and extra dropout on glass); nothing beyond ``max_range``. The range gets Gaussian
+   2083 columns (0.173°), 133 k rays, less those the ego car's roof blocks (``ego_body``: ~6.6 %, low beams
+   behind the sensor, where real scans have few points too). A return needs enough signal:
+   ``albedo · cos(incidence) · (20 m / r)²`` must exceed ``min_signal`` (so dark surfaces at grazing angles
+   and long range drop out), plus a random ``dropout`` (and extra dropout on glass); nothing beyond
+   ``max_range``. The range gets Gaussian
    noise (σ = ``range_noise``, clipped at ±3σ) along the ray, so a point keeps its beam's elevation.
    Reflectance = ``albedo · (0.5 + 0.5·cos(incidence))`` × log-normal noise, clipped to [0, 0.99] and
-   rounded to 0.01 as in KITTI's files; lane markings and zebra crossings are painted (bright), building
-   windows dark.
+   rounded to 0.01 as in KITTI's files; a weak return (``albedo · (20 m / r)²`` × a log-normal factor of
+   σ ``zero_spread`` below ``zero_signal``) reads 0, as ~14 % of KITTI's points do (most of them far away),
+   and so does a share of the returns from car paint, glass and tyres (``meshes.DARK``); lane markings and
+   zebra crossings are painted (bright), building windows dark.
 4. Labels (:func:`detector.sim.labels.label_frame`), following KITTI's rules:
 
    - candidates are the dynamic objects whose 3D box projects into the 1242×375 image (through P2);

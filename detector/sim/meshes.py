@@ -41,12 +41,16 @@ class Material(IntEnum):
 
 # Nominal reflectivity per material (instances of PAINT, CLOTH, FACADE and ASPHALT vary around it).
 ALBEDO = np.array(
-    [0.38, 0.45, 0.50, 0.40, 0.30, 0.50, 0.30, 0.45, 1.00, 0.40, 0.06, 0.05, 1.00, 0.85, 0.45, 0.35, 0.35],
+    [0.45, 0.45, 0.50, 0.40, 0.30, 0.50, 0.30, 0.45, 1.00, 0.40, 0.06, 0.05, 1.00, 0.85, 0.45, 0.35, 0.35],
     dtype=np.float32,
 )
 # Extra probability that a ray hitting the material gives no return (glass mostly transmits).
 DROPOUT = np.zeros(len(Material), dtype=np.float32)
 DROPOUT[Material.GLASS] = 0.5
+# Probability that a return from the material reads reflectance 0: glossy paint, glass and rubber send little
+# light back diffusely (on KITTI's real frames ~44 % of the points on Cars read 0, against ~9 % on the ground).
+DARK = np.zeros(len(Material), dtype=np.float32)
+DARK[[Material.PAINT, Material.GLASS, Material.TYRE]] = (0.3, 0.7, 0.7)
 
 
 @dataclass

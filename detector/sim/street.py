@@ -2,12 +2,14 @@
 
 A scene is laid out in a *street frame* (u along the street, v to its left, metres), with the sensor at
 the origin above the centre of its lane, then rotated into the LiDAR frame by the ego vehicle's small
-heading offset ``Street.yaw``. The ground is a gently sloped plane ``z = -sensor_height + su·u + sv·v``.
+heading offset ``Street.yaw``. The ground is a gently sloped plane ``z = -sensor_height + su·u + sv·v``
+(as the sensor sees it: the road's grade plus the car's pitch and roll).
 
 Cross-section of the main street, right to left (right-hand traffic):
 ``yard | sidewalk | kerb | parking lane? | forward lanes | backward lanes | parking lane? | kerb | sidewalk
 | yard``, with buildings set back behind the sidewalks, trees, street lamps and signs along the kerbs,
-and an optional cross street (sometimes a T-junction: the main street ends there, buildings across).
+shrubs, garden walls, fences and hedges along the yards, bins on the sidewalks, and an optional cross
+street (sometimes a T-junction: the main street ends there, buildings across).
 Cars, vans, trucks and trailers park along the kerbs and drive in the lanes (and on the cross street),
 pedestrians walk on the sidewalks or cross the road, cyclists ride near the kerbs. Objects do not
 overlap (axis-aligned footprints in the street frame are kept apart).
@@ -201,7 +203,12 @@ def sample_street(rng: np.random.Generator) -> Street:
     return Street(
         yaw=float(np.clip(rng.normal(0.0, 0.03), -0.1, 0.1)),
         sensor_height=float(rng.uniform(1.70, 1.76)),
-        slope=(float(rng.uniform(-0.012, 0.012)), float(rng.uniform(-0.006, 0.006))),
+        # The ground as the sensor sees it (road grade plus the car's pitch and roll): KITTI's ground planes
+        # rise ahead by ~1 % on average and tilt by ~1.4 deg (detector/data/domains.py on real frames).
+        slope=(
+            float(np.clip(rng.normal(0.008, 0.012), -0.035, 0.035)),
+            float(np.clip(rng.normal(0.0, 0.012), -0.03, 0.03)),
+        ),
         kerb_right=v_edge - park_r,
         kerb_left=v_top + park_l,
         kerb_height=float(rng.uniform(0.10, 0.16)),
