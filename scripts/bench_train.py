@@ -2,7 +2,9 @@
 
     python scripts/bench_train.py [runs=sparse,dense] [root=data/sim_kitti] [out=benchmarks/train_sim_cpu.json]
                                   [extra="..."] [side_by_side=false] [runs_dir=outputs/bench_train]
-                                  (extra: Hydra overrides added to every run)
+
+``runs``: sparse (the default config, make train's run), dense (its twin), road_map / predicted / ground (the
+sparse model under that mask); ``extra``: Hydra overrides added to every run.
 
 ``side_by_side=true`` runs them at the same time, the cores split evenly between them
 (``OMP_NUM_THREADS``): on a machine that other work also loads, both then see the same load, so their
@@ -30,7 +32,9 @@ from pathlib import Path
 from detector.cli import parse_args
 
 REPO = Path(__file__).resolve().parents[1]
-OVERRIDES = {"sparse": [], "dense": ["model=dense"]}
+# sparse: the default config (make train's run); the others: its sparse model under another mask, or the dense twin
+OVERRIDES = {"sparse": [], "dense": ["model=dense"], "road_map": ["mask=road_map"], "predicted": ["mask=predicted"],
+             "ground": ["mask=ground"]}
 
 
 def _finish(name: str, started: tuple, result: dict) -> None:
@@ -68,6 +72,9 @@ def main(argv=None) -> int:
                     "threads": torch.get_num_threads(), "torch": torch.__version__,
                     "env": {k: os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")}}
     names = args["runs"].split(",")
+    unknown = [n for n in names if n not in OVERRIDES]
+    if unknown:
+        raise SystemExit(f"error: runs={args['runs']}: unknown run {unknown[0]!r}; choose from {', '.join(OVERRIDES)}")
     env = dict(os.environ)
     if args["side_by_side"]:
         threads = max(1, (os.cpu_count() or 1) // len(names))
@@ -106,10 +113,9 @@ def main(argv=None) -> int:
             rows.append(f"| {name} | Car {metric} AP R40 | {r['easy']:.2f} | {r['moderate']:.2f} | {r['hard']:.2f} | "
                         f"{result['wall_s'][name]:.0f} |")
     notes = []
-    if {"sparse", "dense"} <= set(result["wall_s"]):
-        w, f = result["wall_s"], result["fit_s"]
-        notes.append(f"sparse / dense: wall {w['sparse'] / w['dense']:.2f}, "
-                     f"training (fit) {f['sparse'] / f['dense']:.2f}.")
+    w, f = result["wall_s"], result.get("fit_s", {})
+    for name in [n for n in w if n != "dense"] if "dense" in w else []:
+        notes.append(f"{name} / dense: wall {w[name] / w['dense']:.2f}, training (fit) {f[name] / f['dense']:.2f}.")
     for name, p in result.get("plan", {}).items():
         if p:
             notes.append(f"{name}: the plans of its {p['steps']} training steps convolve {p['mac_ratio']:.2f} of the "
