@@ -88,7 +88,9 @@ class ActiveBlocks:
 def zeros_in_layout(x: torch.Tensor, shape: tuple[int, int, int, int]) -> torch.Tensor:
     """Zeros of ``shape`` in ``x``'s memory layout (channels-last if ``x`` is)."""
     nhwc = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
-    return x.new_zeros(shape).contiguous(memory_format=torch.channels_last if nhwc else torch.contiguous_format)
+    # allocated in that layout (one fill), not zeros converted to it (a permuting copy of a map of zeros)
+    return torch.empty(shape, dtype=x.dtype, device=x.device,
+                       memory_format=torch.channels_last if nhwc else torch.contiguous_format).zero_()
 
 class SparseConvChain(nn.Module):
     """Convolutions ``conv_i`` (``ksizes[i]``, ``strides[i]``, padding ``(k - 1) // 2``, no bias), each

@@ -189,7 +189,7 @@ def _register_python_side() -> None:
             g = gg_blocks.contiguous(memory_format=f)
             if relu:
                 g = g * (out_tiles > 0).to(g.dtype)
-            zeros = g.new_zeros(shape).contiguous(memory_format=f)
+            zeros = torch.empty(shape, dtype=g.dtype, device=g.device, memory_format=f).zero_()
             out = lib.sparse_scatter(g, indices, zeros, bstride, boffset, False)
         if need_base and gg_base is not None:
             masked = gg_base if add and not relu else lib.sparse_scatter_backward(

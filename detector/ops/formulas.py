@@ -38,8 +38,16 @@ def scatter_backward(
     memory_format: torch.memory_format,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Gradients of a (copying or in-place) scatter w.r.t. ``blocks`` and ``base`` (None where not
-    needed). With ``add`` and no ``relu`` the base's gradient is ``grad`` itself (no copy)."""
-    g = grad.contiguous(memory_format=memory_format)
+    needed). With ``add`` and no ``relu`` the base's gradient is ``grad`` itself (no copy).
+
+    ``grad`` is taken in its own layout when it is NCHW or channels-last (a layer after this one, e.g. torch's
+    1x1 convolution on one thread, may hand back the other layout than the map's): converting the map-sized
+    gradient cost a full permuting copy per unit; ``out_tiles`` (K tiles) follow it instead. Other strides:
+    ``memory_format`` (the map's layout)."""
+    fmt = memory_format_of(grad)
+    g = grad if fmt is not None else grad.contiguous(memory_format=memory_format)
+    if out_tiles is not None:
+        out_tiles = out_tiles.contiguous(memory_format=memory_format_of(g))
     passthrough = add and not relu
     gb, gbase = torch.ops.sbnet.sparse_scatter_backward(
         g, indices, out_tiles, list(tile), list(tile), [0, 0], add, relu, need_blocks,

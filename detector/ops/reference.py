@@ -59,7 +59,8 @@ def sparse_gather(x: torch.Tensor, indices: torch.Tensor, bp: BlockParams) -> to
         blocks[k] = x[n, :, y : y + bsize_h, x0 : x0 + bsize_w]      # out-of-map pixels = 0
     """
     N, C, H, W = x.shape
-    blocks = x.new_zeros((indices.shape[0], C, bp.bsize_h, bp.bsize_w)).contiguous(memory_format=_format(x))
+    blocks = torch.empty((indices.shape[0], C, bp.bsize_h, bp.bsize_w), dtype=x.dtype, device=x.device,
+                         memory_format=_format(x)).zero_()
     for k, (n, by, bx) in enumerate(indices.tolist()):
         top, left = bp.boffset_h + by * bp.bstride_h, bp.boffset_w + bx * bp.bstride_w
         y0, y1 = _clip(top, bp.bsize_h, H)

@@ -53,8 +53,8 @@ class _Gather(torch.autograd.Function):
         bp, link, fmt = ctx.bp, ctx.link, ctx.format
         gx, link.grad_x = link.grad_x, None
         if gx is None:  # the output's gradient did not reach the scatter (e.g. unused): zeros
-            gx = grad_blocks.new_zeros(ctx.shape).contiguous(memory_format=fmt)
-        g = grad_blocks.contiguous(memory_format=fmt)
+            gx = torch.empty(ctx.shape, dtype=grad_blocks.dtype, device=grad_blocks.device, memory_format=fmt).zero_()
+        g = grad_blocks.contiguous(memory_format=memory_format_of(gx) or fmt)  # gx: the output gradient's layout
         torch.ops.sbnet.sparse_gather_backward_(g, indices, gx, list(bp.bstride), list(bp.boffset))
         return gx, None, None, None
 
