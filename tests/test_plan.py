@@ -111,6 +111,23 @@ def test_calibration_on_a_busy_machine_is_used_but_not_cached(tmp_path, monkeypa
         assert len(calls) == expected_calls and not path.exists()
 
 
+def test_distorted_calibration_is_recalibrated_and_not_cached(tmp_path, monkeypatch):
+    # forward alone cannot cost more than forward + backward of the same unit: such constants were stalled
+    stalled = CostModel.from_dict({**flat_cost(1e-4).to_dict(), "dense_unit": 0.028, "dense_unit_train": 0.0003})
+    assert "dense unit" in stalled.distortion() and flat_cost(1e-4).distortion() is None
+    path = tmp_path / "plan_cost.json"
+    path.write_text(json.dumps({"key": cost_key("cpu", torch.float32), "cost": stalled.to_dict()}))
+    calls = _fake_calibration(monkeypatch)
+    with pytest.warns(RuntimeWarning, match="distorted calibration: a dense unit"):
+        assert load_or_calibrate(path, "cpu", torch.float32) == flat_cost(1e-4)
+    assert calls == [1] and CostModel.from_dict(json.loads(path.read_text())["cost"]) == flat_cost(1e-4)
+    path.unlink()
+    monkeypatch.setattr(cost_mod, "calibrate", lambda device, dtype: calls.append(1) or stalled)
+    with pytest.warns(RuntimeWarning, match="not cached"):  # a fresh stalled calibration: used, not kept
+        assert load_or_calibrate(path, "cpu", torch.float32) == stalled
+    assert not path.exists()
+
+
 def test_machine_busy_reads_the_load_against_the_cores(monkeypatch):
     monkeypatch.setattr(cost_mod.os, "cpu_count", lambda: 2)
     monkeypatch.setattr(cost_mod.os, "getloadavg", lambda: (1.0, 0.0, 0.0))  # this process alone

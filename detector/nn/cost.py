@@ -75,6 +75,18 @@ class CostModel:
     def to_dict(self) -> dict:
         return {**asdict(self), "block_mac": [list(p) for p in self.block_mac]}
 
+    def distortion(self) -> str | None:
+        """Why these constants cannot be a quiet machine's, or None: a unit's fixed cost in inference (forward
+        only) above its fixed cost in training (forward + backward of the same unit). Seen when another process
+        stalled the inference measurements (28 ms per unit instead of 0.3 ms), which then priced every sparse
+        and dense stage of a plan at seconds."""
+        for kind in ("dense", "sparse"):
+            infer, train = getattr(self, f"{kind}_unit"), getattr(self, f"{kind}_unit_train")
+            if infer > train:
+                return (f"a {kind} unit's fixed cost in inference ({1e3 * infer:.3g} ms) is above its forward + "
+                        f"backward ({1e3 * train:.3g} ms)")
+        return None
+
     def mac_per_tile(self, tile: int) -> float:
         """``block_mac`` of the calibrated tile nearest to ``tile`` (ties: the smaller tile)."""
         return min(self.block_mac, key=lambda p: (abs(p[0] - tile), p[0]))[1]
@@ -251,7 +263,8 @@ def load_or_calibrate(path: str | Path | None, device: str | torch.device, dtype
     """The cached cost model at ``path`` (default :func:`default_cost_file`) if it was calibrated under this
     :func:`cost_key`; else (missing: silently; foreign or unreadable: with one warning) calibrate and
     rewrite the file (atomically; an unwritable place only warns). A calibration on a busy machine
-    (:func:`machine_busy`) is used but not written, with one warning."""
+    (:func:`machine_busy`) or with distorted constants (:meth:`CostModel.distortion`; a cached one is
+    recalibrated) is used but not written, with one warning."""
     path = Path(path) if path is not None else default_cost_file(device, dtype)
     key = cost_key(device, dtype)
     if path.is_file():
@@ -261,11 +274,15 @@ def load_or_calibrate(path: str | Path | None, device: str | torch.device, dtype
                 diff = sorted(k for k in key if saved.get("key", {}).get(k) != key[k]) if isinstance(
                     saved.get("key"), dict) else ["key"]
                 raise ValueError(f"calibrated under another {', '.join(diff)}")
-            return CostModel.from_dict(saved["cost"])
+            cached = CostModel.from_dict(saved["cost"])
+            if (why := cached.distortion()) is not None:
+                raise ValueError(f"distorted calibration: {why}")
+            return cached
         except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
             warnings.warn(f"plan cost model {path}: {e}; recalibrating", RuntimeWarning, stacklevel=2)
     busy = machine_busy(device)
     cost = calibrate(device, dtype)
+    busy = busy or cost.distortion()
     if busy:  # a calibration under someone else's load misprices every fixed cost: use it, don't keep it
         warnings.warn(f"plan cost model: calibrated while the machine was busy ({busy}); the plan uses it for "
                       f"this run but it is not cached in {path} (measured again next time)", RuntimeWarning,
