@@ -33,3 +33,35 @@ def test_bench_train_side_by_side_writes_both_runs(tmp_path, tiny_root):
         assert (tmp_path / "runs").glob(f"{n}_*/train.log") and res[n]["Car"]["bev"]["R40"]["moderate"] >= 0
     md = out.with_suffix(".md").read_text()
     assert "side by side" in md and "sparse / dense: wall" in md and "bound" in md
+
+
+def test_side_by_side_wall_time_is_each_runs_own(tmp_path, monkeypatch):
+    """The run started first but ending last must not lend its end time to the others (it did: all equal)."""
+    import time
+
+    mod = _script()
+    durations = {"sparse": 2.0, "dense": 0.1}
+    ap = {"easy": 1.0, "moderate": 1.0, "hard": 1.0}
+    METRICS = {"Car": {m: {"R40": ap} for m in ("bev", "3d", "2d", "aos")}}
+
+    class FakeRun:  # a training run that takes its duration and writes run.json like scripts/train.py
+        def __init__(self, cmd, **kw):
+            self.out = next(a.split("=", 1)[1] for a in cmd if a.startswith("paths.output_dir="))
+            self.end = time.time() + durations["dense" if "model=dense" in cmd else "sparse"]
+
+        def poll(self):
+            if time.time() < self.end:
+                return None
+            (mod.Path(self.out) / "run.json").write_text(json.dumps({"metrics": METRICS, "fit_s": 0.3, "best_ckpt": ""}))
+            return 0
+
+        def wait(self):
+            while self.poll() is None:
+                time.sleep(0.01)
+            return 0
+
+    monkeypatch.setattr(mod.subprocess, "Popen", FakeRun)
+    out = tmp_path / "train.json"
+    assert mod.main(["root=x", f"out={out}", "side_by_side=true", f"runs_dir={tmp_path / 'runs'}"]) == 0
+    wall = json.loads(out.read_text())["wall_s"]
+    assert wall["dense"] < 1.0 < 2.0 <= wall["sparse"]
