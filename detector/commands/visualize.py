@@ -25,6 +25,7 @@ from hydra.errors import HydraException
 from detector.cli import parse_args
 from detector.data.kitti import KittiRoot
 from detector.data.kitti_camera import in_camera_fov
+from detector.data.kitti_labels import IMAGE_SIZE
 from detector.data.structures import Detections, Frame, collate_frames
 from detector.errors import CheckpointError, KittiFormatError, one_line
 from detector.geometry.boxes import BOX_EDGES, Boxes3D
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if args["fov_only"]:  # as the dataset does for training and evaluation
-        frame.points = frame.points[in_camera_fov(frame.points, frame.calib)]
+        frame.points = frame.points[in_camera_fov(frame.points, frame.calib, frame.image_size or IMAGE_SIZE)]
     dets, grid, mask = None, None, None
     if args["ckpt_path"]:
         from detector.tasks import load_detector
