@@ -110,7 +110,8 @@ def markdown(result: dict, argv: list[str]) -> str:
         f"{m['threads']} threads, allocator {m['env']} (load before {m['load_avg_before']}, after "
         f"{m['load_avg_after']})", "",
         f"Checkpoint: `{m['checkpoint']}`" + (f", trained by `{m['train_command']}`" if m.get("train_command") else ""),
-        f"Real frames: {m['frames']} of `{m['real']}` ({', '.join(m['frame_ids'])}); BEV grid {m['scope']}", "",
+        f"Real frames: {m['frames']} of `{m['real']}` ({', '.join(m['frame_ids'])}); scored: {m.get('scope', '-')}",
+        "",
         "| mask | Car BEV AP R40 easy | moderate | Car 3D AP R40 easy | moderate | mean sparsity | ms/frame |",
         "|---|---|---|---|---|---|---|",
     ]
