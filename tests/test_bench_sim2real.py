@@ -108,3 +108,18 @@ def test_bench_without_real_frames_says_so_in_one_line(car_root, tmp_path):  # n
         _script().main([f"real={tmp_path / 'missing'}", "ckpt_path=x.ckpt"])
     with pytest.raises(SystemExit, match="unknown mask 'road'"):
         _script().main([f"real={car_root}", "masks=none,road"])
+
+
+def test_bench_trains_a_checkpoint_when_none_is_given(tiny_root, car_root, tmp_path):  # noqa: F811
+    """Without ckpt_path: scripts/train.py on train_root (here with the TINY settings and one step), then the
+    evaluation of its checkpoint; the JSON records the training command."""
+    from tests.test_train import TINY
+
+    extra = " ".join([*TINY, "trainer.max_steps=1", "trainer.limit_val_batches=0", "evaluate_after=false",
+                      "logger=none", "callbacks.model_checkpoint.monitor=null"])
+    out = tmp_path / "sim2real.json"
+    assert _script().main([f"train_root={tiny_root}", f"real={car_root}", f"out={out}", "images=0", "masks=none",
+                           f"extra={extra}"]) == 0
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["train_command"].startswith(f"python scripts/train.py data.root={tiny_root}")
+    assert Path(meta["checkpoint"]).is_file() and "trainer.max_steps=1" in meta["train_command"]

@@ -356,8 +356,8 @@ class GroundTilt(_Op):
     uniformly in [−max_angle, max_angle] (a sensor mounted or a road sloped differently from the
     simulator's level ground). Background points rotate; box centres rotate; an object's points move
     with its box centre (c → R c), unrotated, since a box has a yaw only: every point inside a box stays
-    inside its moved box. Yaw, sizes and the road map (a 2D raster: a tilt of a few degrees moves x, y
-    by well under a cell) are kept."""
+    inside its moved box. Yaw, sizes and the road map are kept (a 2D raster: at the default 2° a ground
+    point within 50 m moves by at most about 0.1 m in x, y, far less than the road mask's 2 m dilation)."""
 
     def __init__(self, prob: float = 0.5, max_angle: float = 0.035):
         _check_prob("GroundTilt.prob", prob)
