@@ -392,3 +392,18 @@ def test_real_kitti_image_sizes_match_their_calibration(kitti_real):
     root = KittiRoot(kitti_real)
     sizes = {root.read_frame(p.stem).image_size for p in sorted((kitti_real / "training/velodyne").glob("*.bin"))}
     assert (1242, 375) in sizes and (1224, 370) in sizes  # real KITTI's image sizes vary
+
+
+def test_training_on_a_root_without_labels_names_the_folder(tmp_path):
+    import shutil
+
+    from detector.data.datamodule import KittiDataModule
+    from detector.geometry.voxelize import BevGrid
+
+    root, _ = _root(tmp_path)
+    shutil.rmtree(root / "training" / "label_2")
+    dm = KittiDataModule(str(root), BevGrid((0.0, 25.6), (-12.8, 12.8), (-2.5, 1.0), 0.2, 0.5), num_workers=0,
+                         train_split="train", val_split="train")
+    assert len(dm.dataset("val")) == 3  # reading (e.g. to write result files) needs none
+    with pytest.raises(KittiFormatError, match=r"training/label_2: training needs labels"):
+        dm.dataset("train")
