@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from detector.data.kitti_camera import boxes_to_labels, labels_to_boxes
-from detector.data.kitti_labels import KittiLabels, as_written
+from detector.data.kitti_labels import IMAGE_SIZE, KittiLabels, as_written
 from detector.data.structures import Batch, Detections
 from detector.models.detector import BevDetector
 
@@ -23,11 +23,13 @@ SCOPE = "ground truth and detections whose box centre lies inside the BEV grid (
 @dataclass
 class FrameRecords:
     """One frame's KITTI records as the metric sees them and as the files hold them: ``gt`` None for a
-    frame without labels (e.g. the testing split)."""
+    frame without labels (e.g. the testing split). ``outside``: the labeled objects (DontCare excluded)
+    left out of ``gt`` because their box centre lies outside the BEV grid (reported, not scored)."""
 
     frame_id: str
     gt: KittiLabels | None
     dt: KittiLabels
+    outside: KittiLabels | None = None
 
 
 def _inside(x: np.ndarray, y: np.ndarray, grid) -> np.ndarray:
@@ -49,17 +51,19 @@ def frame_records(batch: Batch, dets: Sequence[Detections], classes: Sequence[st
         d = d.to("cpu")
         names = np.asarray(classes)[d.labels.numpy()] if len(d) else np.zeros(0, "<U16")
         boxes = d.boxes.to("cpu", torch.float64)
-        res = boxes_to_labels(boxes, names, f.calib, scores=d.scores.numpy())
+        res = boxes_to_labels(boxes, names, f.calib, scores=d.scores.numpy(), image_size=f.image_size or IMAGE_SIZE)
         xy = boxes.tensor[:, :2].numpy()
         res = as_written(res.select(_inside(xy[:, 0], xy[:, 1], grid)), f"frame {f.frame_id} detections")
-        gt = None
+        gt = outside = None
         if f.labels is not None:
             lab = f.labels
             obj = lab.name != "DontCare"
             xy = np.zeros((len(lab), 2))
             xy[obj] = labels_to_boxes(lab.select(obj), f.calib).tensor[:, :2].double().numpy()
-            gt = as_written(lab.select(~obj | _inside(xy[:, 0], xy[:, 1], grid)), f"frame {f.frame_id} labels")
-        out.append(FrameRecords(f.frame_id, gt, res))
+            keep = ~obj | _inside(xy[:, 0], xy[:, 1], grid)
+            gt = as_written(lab.select(keep), f"frame {f.frame_id} labels")
+            outside = lab.select(~keep)
+        out.append(FrameRecords(f.frame_id, gt, res, outside))
     return out
 
 

@@ -20,7 +20,7 @@ from detector.config import check_types
 from detector.data.datamodule import KittiDataModule
 from detector.data.kitti import KittiRoot
 from detector.data.kitti_labels import write_label
-from detector.errors import ConfigError, root_cause
+from detector.errors import ConfigError, KittiFormatError, root_cause
 from detector.geometry.voxelize import BevGrid
 from detector.models.detector import BevDetector
 from detector.module import SCOPE, DetectorModule, frame_records
@@ -268,6 +268,7 @@ def evaluate_checkpoint(ckpt_path: str | Path, data_cfg: DictConfig, out_dir: st
         res_dir.mkdir(parents=True, exist_ok=True)
         gt_dir.mkdir(parents=True, exist_ok=True)
     gts, dts, sparsity, times = [], [], [], {}
+    outside: list[str] = []  # labeled objects not scored (box centre outside the BEV grid): "frame name distance"
     n_frames = 0
     classes = list(cfg.model.classes)
     t0 = time.perf_counter()
@@ -288,7 +289,14 @@ def evaluate_checkpoint(ckpt_path: str | Path, data_cfg: DictConfig, out_dir: st
                     write_label(gt_dir / f"{r.frame_id}.txt", r.gt)
                 gts.append(r.gt)
                 dts.append(r.dt)
+            if r.outside is not None:
+                outside += [f"{r.frame_id} {name} {d:.1f} m" for name, d in
+                            zip(r.outside.name, np.hypot(r.outside.location[:, 0], r.outside.location[:, 2]),
+                                strict=True)]
     wall = time.perf_counter() - t0
+    if not gts:
+        raise KittiFormatError(Path(data_cfg.root) / "training" / "label_2",
+                               f"no labels for split '{split}': evaluation needs label_2 files")
     eval_classes = [c for c in classes if c in EVAL_CLASSES]
     result = evaluate(gts, dts, classes=eval_classes)
     metrics = result.to_json()
@@ -298,13 +306,17 @@ def evaluate_checkpoint(ckpt_path: str | Path, data_cfg: DictConfig, out_dir: st
           f"mask {'none (dense)' if not cfg.model.sparse else _mask_name(cfg.mask)}, "
           f"mean sparsity {np.mean(sparsity):.3f}; decode {decode_kwargs(cfg.model)}\nscored: {scope}")
     print(result.table())
+    if outside:
+        print(f"not scored: {len(outside)} labeled object(s) outside the BEV grid: {'; '.join(outside[:20])}"
+              + (f"; ... ({len(outside) - 20} more in metrics.json)" if len(outside) > 20 else ""))
     if write_results:
         print(f"the same table from the files: python scripts/kitti_eval.py gt={gt_dir} results={res_dir} "
               f"classes={','.join(eval_classes)}")
     summary = {"frames": n_frames, "ms_per_frame": 1000 * wall / max(n_frames, 1),
                "time_ms_per_frame": {k: 1000 * v / max(n_frames, 1) for k, v in times.items() if k != "start"},
                "mean_sparsity": float(np.mean(sparsity)) if sparsity else 0.0, "checkpoint": str(ckpt_path),
-               "scope": scope, "decode": decode_kwargs(cfg.model)}
+               "scope": scope, "decode": decode_kwargs(cfg.model),
+               "outside_grid": {"count": len(outside), "objects": outside}}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "metrics.json").write_text(json.dumps({**metrics, "_run": summary}, indent=1))
     print(f"metrics: {out_dir / 'metrics.json'}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,12 +13,18 @@ import torch
 
 from detector.data.augment import (
     Augmentor,
+    BeamDropout,
     GlobalFlip,
     GlobalRotation,
     GlobalScaling,
+    GroundTilt,
     GtSampling,
+    IntensityJitter,
     ObjectNoise,
+    ObjectPointDropout,
     bev_boxes_overlap,
+    elevation_rings,
+    tilt_matrix,
 )
 from detector.data.gt_database import GtDatabase
 from detector.data.kitti import KittiRoot, write_imageset, write_points
@@ -77,6 +84,165 @@ def check_points_stay_in_boxes(before: Frame, after: Frame, n_orig: int) -> None
         assert ok.all(), f"object {j}: {int((~ok).sum())} of its points left its box"
     yaw = after.gt_boxes.yaw.numpy()
     assert ((yaw >= -math.pi) & (yaw < math.pi)).all()
+
+
+# --------------------------------------------------------------------------------------------------
+# Sim-to-real ops
+# --------------------------------------------------------------------------------------------------
+RING_ELEVATIONS = np.array([-20.0, -12.0, -8.0, -5.0, -3.0, -1.0, 0.5, 2.0])  # degrees, 8 rings
+
+
+def make_rings(points_per_ring: int = 200) -> Frame:
+    """Points on 8 rings at the elevations above, at ranges 5-40 m and all azimuths; reflectance = point id."""
+    rng = np.random.default_rng(0)
+    el = np.deg2rad(np.repeat(RING_ELEVATIONS, points_per_ring))
+    az = rng.uniform(-math.pi, math.pi, len(el))
+    r = rng.uniform(5, 40, len(el))
+    xyz = np.column_stack([r * np.cos(el) * np.cos(az), r * np.cos(el) * np.sin(az), r * np.sin(el)])
+    pts = np.column_stack([xyz, np.arange(len(xyz))]).astype(np.float32)
+    return Frame("000000", pts, make_calib())
+
+
+def test_elevation_rings_number_rings_from_the_lowest():
+    frame = make_rings(50)
+    ring = elevation_rings(frame.points)
+    np.testing.assert_array_equal(ring, np.repeat(np.arange(8), 50))
+    assert len(elevation_rings(np.zeros((0, 4), np.float32))) == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_beam_dropout_removes_exactly_the_chosen_rings(seed):
+    """A share of 0.25 of 8 rings: exactly 2 whole rings go, every point of the other 6 stays, in order."""
+    frame = make_rings()
+    out = BeamDropout(prob=1.0, min_fraction=0.25, max_fraction=0.25)(frame, np.random.default_rng(seed))
+    ring_of_id = np.repeat(np.arange(8), 200)
+    ids = out.points[:, 3].astype(np.int64)
+    kept = set(ring_of_id[ids].tolist())
+    assert len(kept) == 6
+    expected = np.flatnonzero(np.isin(ring_of_id, sorted(kept)))  # whole rings kept, nothing else
+    np.testing.assert_array_equal(ids, expected)
+    np.testing.assert_array_equal(out.points, frame.points[expected])
+    assert len(out.gt_boxes) == len(frame.gt_boxes)
+    # different seeds choose different rings
+    chosen = {frozenset(set(range(8)) - set(ring_of_id[BeamDropout(1.0, 0.25, 0.25)(
+        frame, np.random.default_rng(s)).points[:, 3].astype(np.int64)].tolist())) for s in range(8)}
+    assert len(chosen) > 1
+
+
+def test_beam_dropout_off_and_bad_arguments():
+    frame = make_rings()
+    assert BeamDropout(prob=0.0, max_fraction=1.0)(frame, np.random.default_rng(0)) is frame
+    assert len(BeamDropout(prob=1.0, min_fraction=0.0, max_fraction=0.0)(frame, np.random.default_rng(0)).points) \
+        == len(frame.points)
+    for kw in ({"prob": 1.5}, {"min_fraction": 0.5, "max_fraction": 0.2}, {"max_fraction": 1.5},
+               {"min_gap_deg": 0.0}):
+        with pytest.raises(ValueError, match="BeamDropout"):
+            BeamDropout(**kw)
+
+
+def test_intensity_jitter_scales_reflectance_only():
+    frame = make_scene(0)
+    frame.points[:, 3] = np.linspace(0, 1, len(frame.points), dtype=np.float32)
+    out = IntensityJitter(prob=1.0, min_scale=0.5, max_scale=0.5, noise_std=0.0)(frame, np.random.default_rng(0))
+    np.testing.assert_array_equal(out.points[:, :3], frame.points[:, :3])
+    np.testing.assert_allclose(out.points[:, 3], frame.points[:, 3] * 0.5, rtol=1e-6)
+    assert torch.equal(out.gt_boxes.tensor, frame.gt_boxes.tensor)
+    up = IntensityJitter(prob=1.0, min_scale=2.0, max_scale=2.0, noise_std=0.0)(frame, np.random.default_rng(0))
+    np.testing.assert_allclose(up.points[:, 3], np.minimum(frame.points[:, 3] * 2.0, 1.0), rtol=1e-6)  # clipped
+    noisy = IntensityJitter(prob=1.0, min_scale=1.0, max_scale=1.0, noise_std=0.05)(frame, np.random.default_rng(0))
+    d = noisy.points[:, 3] - frame.points[:, 3]
+    inner = (frame.points[:, 3] > 0.25) & (frame.points[:, 3] < 0.75)  # far from the clip
+    assert abs(float(d[inner].std()) - 0.05) < 0.005 and abs(float(d[inner].mean())) < 0.005
+    assert (noisy.points[:, 3] >= 0).all() and (noisy.points[:, 3] <= 1).all()
+    assert IntensityJitter(prob=0.0)(frame, np.random.default_rng(0)) is frame
+
+
+def test_tilt_matrix_known_answers():
+    np.testing.assert_allclose(tilt_matrix(0.0, 0.0), np.eye(3))
+    # pitch +90°: x (forward) goes to -z (down), z to +x; roll +90°: y (left) goes to +z
+    np.testing.assert_allclose(tilt_matrix(0.0, math.pi / 2) @ [1, 0, 0], [0, 0, -1], atol=1e-12)
+    np.testing.assert_allclose(tilt_matrix(math.pi / 2, 0.0) @ [0, 1, 0], [0, 0, 1], atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ground_tilt_keeps_points_in_their_moved_boxes_and_tilts_the_ground(seed):
+    frame = make_scene(seed)
+    op = GroundTilt(prob=1.0, max_angle=0.05)
+    out = op(frame, np.random.default_rng(seed))
+    check_points_stay_in_boxes(frame, out, len(frame.gt_boxes))
+    assert len(out.points) == len(frame.points)
+    np.testing.assert_array_equal(out.points[:, 3], frame.points[:, 3])
+    # the same draws as the op: one uniform for prob, then roll and pitch
+    rng = np.random.default_rng(seed)
+    rng.random()
+    rot = tilt_matrix(*rng.uniform(-0.05, 0.05, size=2))
+    inside = frame.gt_boxes.points_in_boxes(frame.points).numpy().any(1)
+    bg = frame.points[~inside, :3].astype(np.float64)
+    np.testing.assert_allclose(out.points[~inside, :3], bg @ rot.T, atol=1e-4)  # background rotated
+    np.testing.assert_allclose(out.gt_boxes.tensor[:, :3].numpy(), frame.gt_boxes.tensor[:, :3].double().numpy()
+                               @ rot.T, atol=1e-4)  # centres rotated
+    np.testing.assert_array_equal(out.gt_boxes.tensor[:, 3:].numpy(), frame.gt_boxes.tensor[:, 3:].numpy())
+    # the ground plane z = -1.75 is no longer level: its fitted slope is the tilt's
+    ground = np.isclose(frame.points[:, 2], -1.75) & ~inside
+    g = out.points[ground, :3].astype(np.float64)
+    a, *_ = np.linalg.lstsq(np.column_stack([g[:, :2], np.ones(len(g))]), g[:, 2], rcond=None)
+    normal = rot @ [0.0, 0.0, 1.0]
+    np.testing.assert_allclose(a[:2], -normal[:2] / normal[2], atol=1e-4)
+    assert GroundTilt(prob=0.0)(frame, np.random.default_rng(0)) is frame
+    with pytest.raises(ValueError, match="GroundTilt.max_angle"):
+        GroundTilt(max_angle=1.0)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_object_point_dropout_thins_objects_only(seed):
+    """Share 0.5 for every object: each box keeps exactly n - floor(n/2) of its points, a random half;
+    every background point stays, in order."""
+    frame = make_scene(seed)
+    out = ObjectPointDropout(prob=1.0, min_fraction=0.5, max_fraction=0.5)(frame, np.random.default_rng(seed))
+    inside = frame.gt_boxes.points_in_boxes(frame.points).numpy()
+    ids = set(out.points[:, 3].astype(np.int64).tolist())
+    for j in range(len(frame.gt_boxes)):
+        own = frame.points[inside[:, j], 3].astype(np.int64)
+        kept = [i for i in own if int(i) in ids]
+        assert len(kept) == len(own) - len(own) // 2, j
+    bg = frame.points[~inside.any(1), 3].astype(np.int64)
+    assert set(bg.tolist()) <= ids
+    order = out.points[:, 3]
+    assert (np.diff(order) > 0).all()  # order kept
+    assert torch.equal(out.gt_boxes.tensor, frame.gt_boxes.tensor)
+    none = ObjectPointDropout(prob=0.0, max_fraction=1.0)(frame, np.random.default_rng(0))
+    assert none is frame
+    with pytest.raises(ValueError, match="ObjectPointDropout"):
+        ObjectPointDropout(min_fraction=0.6, max_fraction=0.5)
+
+
+def test_sim2real_experiment_composes_and_keeps_points_in_boxes(tmp_path):
+    """configs/experiment/sim2real.yaml instantiates the ops in its documented order; on a scene (with its own
+    GT database) the whole chain keeps the objects' remaining points in their boxes."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.utils import instantiate
+
+    write_root(tmp_path)
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "configs"), version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=sim2real", f"data.root={tmp_path}"])
+    aug = instantiate(cfg.data.augment)
+    assert [type(op).__name__ for op in aug.ops] == [
+        "GtSampling", "BeamDropout", "ObjectPointDropout", "ObjectNoise", "IntensityJitter", "GroundTilt",
+        "GlobalFlip", "GlobalRotation", "GlobalScaling"]
+    # reflectance carries the point ids here: leave IntensityJitter (tested above; it moves no point) out
+    aug.ops = [op for op in aug.ops if not isinstance(op, IntensityJitter)]
+    frame = make_scene(4, frame_id="000098")
+    for seed in range(3):
+        out = aug(frame, np.random.default_rng(seed))
+        inside = out.gt_boxes.points_in_boxes(out.points, margin=FLOAT32_TOL).numpy()
+        before = frame.gt_boxes.points_in_boxes(frame.points).numpy()
+        ids_out = out.points[:, 3].astype(np.int64)
+        for j in range(len(frame.gt_boxes)):  # an original object's surviving points are in its box
+            own = set(frame.points[before[:, j], 3].astype(np.int64).tolist())
+            mine = np.isin(ids_out, sorted(own)) & (ids_out < len(frame.points))
+            assert inside[mine, j].all()
 
 
 # --------------------------------------------------------------------------------------------------

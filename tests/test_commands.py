@@ -134,6 +134,32 @@ def test_visualize_errors_are_one_line(tiny_root, tmp_path, capsys):
                        capsys, "checkpoint not found")
 
 
+def test_visualize_mask_override_draws_a_road_map_checkpoint_on_a_frame_without_road_map(
+        tiny_root, tiny_checkpoint, tmp_path, capsys):
+    """A root without road maps (as real KITTI): the road-map checkpoint is refused with its own mask, drawn
+    with mask=ground (its mask drawn) or mask=none (dense: no mask drawn), and mask=predicted is refused
+    because it trained no mask net (the same rule as scripts/evaluate.py mask=...)."""
+    from detector.viz import MASK_COLOR
+
+    root = tmp_path / "no_road"
+    shutil.copytree(tiny_root, root, ignore=shutil.ignore_patterns("road_map"))
+    common = [f"root={root}", "frame=000004", "mode=bev", f"ckpt_path={tiny_checkpoint}", "score_threshold=0.0"]
+    _fails_in_one_line(visualize.main, [*common, f"out={tmp_path / 'a.png'}"], capsys, "000004", "has no road map")
+    masked = {}
+    for mask in ("ground", "none"):
+        out = tmp_path / f"{mask}.png"
+        assert visualize.main([*common, f"mask={mask}", f"out={out}"]) == 0
+        img = _read_png(out)
+        assert img.shape == (128, 128, 3)
+        masked[mask] = int((img == np.asarray(MASK_COLOR, np.uint8)).all(-1).sum())
+    assert masked["ground"] > 0 and masked["none"] == 0
+    _fails_in_one_line(visualize.main, [*common, "mask=predicted", f"out={tmp_path / 'p.png'}"], capsys,
+                       "has no trained mask net")
+    _fails_in_one_line(visualize.main, [*common, "mask=roadmap", f"out={tmp_path / 'q.png'}"], capsys,
+                       "mask/roadmap")
+    _fails_in_one_line(visualize.main, [f"root={root}", "mask=none"], capsys, "give ckpt_path=PATH too")
+
+
 # --- make_dataset, bench_model ---------------------------------------------------------------------------
 def test_make_dataset_errors_are_one_line(tmp_path, capsys):
     from detector.commands import make_dataset

@@ -176,3 +176,36 @@ def test_mask_net_the_checkpoint_did_not_train_is_refused(predicted_ckpt, tmp_pa
     load_detector(tmp_path / "no_mask_net.ckpt")  # its own mask: fine
     with pytest.raises(ConfigError, match="mask: .* has no trained mask net"):
         load_detector(tmp_path / "no_mask_net.ckpt", "predicted")
+
+
+def test_objects_outside_the_grid_are_named_not_silently_dropped(car_root, predicted_ckpt, oracle, tmp_path, capsys):
+    """A labeled Car at x = 40 m (the TINY grid ends at 25.6 m) is not scored - AP stays 100 - and the evaluation
+    says so: counted and named (frame, class, distance) on its output and in metrics.json."""
+    import shutil
+
+    from detector.data.kitti_labels import format_label_lines
+
+    root = tmp_path / "root"
+    shutil.copytree(car_root, root)
+    far = boxes_to_labels(Boxes3D(torch.tensor([[40.0, 2.0, -0.9, 4.0, 1.7, 1.5, 0.3]])), np.array(["Car"]),
+                          make_calib())
+    label = root / "training" / "label_2" / "000003.txt"
+    label.write_text(label.read_text() + "\n".join(format_label_lines(far)) + "\n")
+    metrics = evaluate_checkpoint(predicted_ckpt, _cfg(tmp_path, root).data, tmp_path / "eval", split="val")
+    assert metrics["Car"]["bev"]["R40"]["moderate"] == 100.0
+    dist = float(np.hypot(far.location[0, 0], far.location[0, 2]))
+    name = f"000003 Car {dist:.1f} m"
+    assert f"not scored: 1 labeled object(s) outside the BEV grid: {name}" in capsys.readouterr().out
+    run = json.loads((tmp_path / "eval" / "metrics.json").read_text())["_run"]
+    assert run["outside_grid"] == {"count": 1, "objects": [name]}
+
+
+def test_evaluation_of_a_root_without_labels_names_the_folder(car_root, predicted_ckpt, tmp_path):
+    import shutil
+
+    from detector.errors import KittiFormatError
+
+    root = tmp_path / "root"
+    shutil.copytree(car_root, root, ignore=shutil.ignore_patterns("label_2"))
+    with pytest.raises(KittiFormatError, match=r"training/label_2: no labels for split 'val'"):
+        evaluate_checkpoint(predicted_ckpt, _cfg(tmp_path, root).data, tmp_path / "eval", split="val")

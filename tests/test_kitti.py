@@ -316,3 +316,94 @@ def test_dataset_keeps_field_of_view_points(tmp_path):
     write_points(root / "training/velodyne" / f"{ids[0]}.bin", pts)
     assert len(KittiDataset(root, "train")[0].points) == 1
     assert len(KittiDataset(root, "train", fov_only=False)[0].points) == 2
+
+
+# --- bad real frames: labels, calibration, image size ------------------------------------------------
+def _png_header(width: int, height: int) -> bytes:
+    """The first bytes of a PNG: signature and IHDR chunk (8-bit RGB); all the reader looks at."""
+    import struct
+    import zlib
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + b"IHDR" + ihdr
+            + struct.pack(">I", zlib.crc32(b"IHDR" + ihdr)))
+
+
+def test_frame_without_label_or_calib_names_the_file(tmp_path):
+    root, ids = _root(tmp_path, n=3)
+    (root / "training/label_2" / f"{ids[1]}.txt").unlink()
+    with pytest.raises(KittiFormatError, match=r"label_2/000001.txt: label file not found"):
+        KittiDataset(root, "train")
+    with pytest.raises(KittiFormatError, match=r"label_2/000001.txt: label file not found"):
+        KittiRoot(root).read_frame(ids[1])
+    calib = root / "training/calib" / f"{ids[2]}.txt"
+    calib.unlink()
+    with pytest.raises(KittiFormatError, match=r"calib/000002.txt: calibration file not found"):
+        KittiRoot(root).read_frame(ids[2])
+
+
+def test_image_size_is_read_and_checked_against_the_calibration(tmp_path):
+    """make_calib's P2 principal point is (610, 175): it fits KITTI's 1242x375 and 1224x370 images, not a
+    half-size 621x188 image (610 > 3/4 of 621) nor a file that is not a PNG."""
+    root, ids = _root(tmp_path, n=4)
+    img = root / "training" / "image_2"
+    img.mkdir()
+    (img / f"{ids[0]}.png").write_bytes(_png_header(1242, 375))
+    (img / f"{ids[1]}.png").write_bytes(_png_header(1224, 370))
+    kroot = KittiRoot(root)
+    assert kroot.read_frame(ids[0]).image_size == (1242, 375)
+    assert kroot.read_frame(ids[1]).image_size == (1224, 370)
+    assert kroot.read_frame(ids[3]).image_size is None  # no image: the KITTI default is assumed
+    (img / f"{ids[2]}.png").write_bytes(_png_header(621, 188))
+    mismatch = r"image_2/000002.png: image size 621x188 does not match the calibration .*calib/000002.txt: "
+    with pytest.raises(KittiFormatError, match=mismatch + r"P2's principal point \(610.0, 175.0\)"):
+        kroot.read_frame(ids[2])
+    with pytest.raises(KittiFormatError, match=r"image_2/000002.png: image size 621x188"):
+        KittiDataset(root, "train")
+    assert KittiDataset(root, "train", skip_bad_frames=True).ids == [ids[0], ids[1], ids[3]]
+    (img / f"{ids[2]}.png").write_bytes(b"GIF89a" + bytes(30))
+    with pytest.raises(KittiFormatError, match=r"000002.png: not a PNG image"):
+        kroot.read_frame(ids[2])
+
+
+def test_field_of_view_uses_the_frame_image_width(tmp_path):
+    """A point projecting at u ~ 1233 px is inside a 1242 px wide image and outside a 1224 px wide one."""
+    from detector.data.kitti_camera import in_camera_fov
+
+    calib = make_calib()
+    # at x = 20 m, u - u(y=0) is proportional to -y: scale a first guess to u = 1233
+    u0, u1 = calib.lidar_to_image(np.array([[20.0, 0.0, 0.0], [20.0, -10.0, 0.0]]))[0][:, 0]
+    y = -10.0 * (1233.0 - u0) / (u1 - u0)
+    pts = np.array([[20.0, y, 0.0, 0.5], [20.0, 0.0, 0.0, 0.5]], np.float32)
+    u = calib.lidar_to_image(pts[:, :3])[0][:, 0]
+    assert 1224 < u[0] < 1242
+    assert in_camera_fov(pts, calib, (1242, 375)).tolist() == [True, True]
+    assert in_camera_fov(pts, calib, (1224, 370)).tolist() == [False, True]
+    root, ids = _root(tmp_path, n=1)
+    write_points(root / "training/velodyne" / f"{ids[0]}.bin", pts)
+    (root / "training" / "image_2").mkdir()
+    (root / "training/image_2" / f"{ids[0]}.png").write_bytes(_png_header(1224, 370))
+    assert len(KittiDataset(root, "train")[0].points) == 1
+    (root / "training/image_2" / f"{ids[0]}.png").write_bytes(_png_header(1242, 375))
+    assert len(KittiDataset(root, "train")[0].points) == 2
+
+
+def test_real_kitti_image_sizes_match_their_calibration(kitti_real):
+    root = KittiRoot(kitti_real)
+    sizes = {root.read_frame(p.stem).image_size for p in sorted((kitti_real / "training/velodyne").glob("*.bin"))}
+    assert (1242, 375) in sizes and (1224, 370) in sizes  # real KITTI's image sizes vary
+
+
+def test_training_on_a_root_without_labels_names_the_folder(tmp_path):
+    import shutil
+
+    from detector.data.datamodule import KittiDataModule
+    from detector.geometry.voxelize import BevGrid
+
+    root, _ = _root(tmp_path)
+    shutil.rmtree(root / "training" / "label_2")
+    dm = KittiDataModule(str(root), BevGrid((0.0, 25.6), (-12.8, 12.8), (-2.5, 1.0), 0.2, 0.5), num_workers=0,
+                         train_split="train", val_split="train")
+    assert len(dm.dataset("val")) == 3  # reading (e.g. to write result files) needs none
+    with pytest.raises(KittiFormatError, match=r"training/label_2: training needs labels"):
+        dm.dataset("train")

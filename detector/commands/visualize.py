@@ -1,12 +1,16 @@
 """Render a frame's points, ground-truth boxes (green) and predicted boxes (red).
 
-    detector-visualize root=DIR frame=000010 [ckpt_path=PATH] [out=frame.png] [mode=auto|3d|bev]
-                       [score_threshold=0.3]
+    detector-visualize root=DIR frame=000010 [ckpt_path=PATH] [mask=road_map|predicted|ground|none]
+                       [out=frame.png] [mode=auto|3d|bev] [score_threshold=0.3] [fov_only=true]
     (or: python scripts/visualize.py ...)
 
 mode=3d renders with open3d's legacy Visualizer offscreen (works without a display on our machines);
 mode=bev draws the bird's-eye-view image (the one TensorBoard shows); mode=auto tries 3d, then bev.
-Without ckpt_path only the ground truth is drawn.
+Without ckpt_path only the ground truth is drawn. ``mask=`` replaces the checkpoint's computation mask,
+as ``scripts/evaluate.py mask=...`` does (the same :func:`detector.tasks.load_detector`): real KITTI has
+no road maps, so a road-map checkpoint is drawn there with mask=ground, mask=none (dense) or, when it
+trained a mask net, mask=predicted. ``fov_only`` keeps the points in the camera's view, as training and
+evaluation do (data.fov_only).
 """
 
 from __future__ import annotations
@@ -16,11 +20,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from hydra.errors import HydraException
 
 from detector.cli import parse_args
 from detector.data.kitti import KittiRoot
-from detector.data.structures import collate_frames
-from detector.errors import CheckpointError, KittiFormatError
+from detector.data.kitti_camera import in_camera_fov
+from detector.data.kitti_labels import IMAGE_SIZE
+from detector.data.structures import Detections, Frame, collate_frames
+from detector.errors import CheckpointError, KittiFormatError, one_line
 from detector.geometry.boxes import BOX_EDGES, Boxes3D
 
 USAGE = __doc__
@@ -69,45 +76,55 @@ def write_png(path: Path, img: np.ndarray) -> None:
         raise OSError(f"{path}: could not write PNG")
 
 
+def detect(model, cfg, frame: Frame) -> tuple[Detections, torch.Tensor | None]:
+    """One frame's detections (all scores above the decode threshold) with the model's decode settings
+    (those evaluation uses) and its computation mask [H, W] (None: dense). The mask comes from ``cfg.mask``
+    as :func:`detector.tasks.load_detector` set it: the checkpoint's, or a ``mask=`` override. A
+    road-map mask on a frame without a road map raises ValueError (its message names the frame)."""
+    from detector.tasks import decode_kwargs
+
+    batch = collate_frames([frame])
+    if cfg.mask.get("provider") is not None and cfg.model.sparse:
+        from hydra.utils import instantiate
+
+        batch.mask = instantiate(cfg.mask.provider)(batch, model.grid).mask
+    with torch.no_grad():
+        out = model(batch)
+        dets = model.decode(out, **decode_kwargs(cfg.model))[0]
+    return dets, (None if out.mask is None else out.mask[0, 0])
+
+
 def main(argv=None) -> int:
     args = parse_args(argv, {"root": None, "frame": "000000", "split_dir": "training", "ckpt_path": None,
-                             "out": None, "mode": "auto", "score_threshold": 0.3}, USAGE)
+                             "mask": None, "out": None, "mode": "auto", "score_threshold": 0.3,
+                             "fov_only": True}, USAGE)
     if args["root"] is None:
         raise SystemExit("error: root=DIR is required (see --help)")
     if args["mode"] not in ("auto", "3d", "bev"):
         raise SystemExit(f"error: mode must be auto, 3d or bev, got {args['mode']!r}")
+    if args["mask"] is not None and not args["ckpt_path"]:
+        raise SystemExit("error: mask= chooses a checkpoint's computation mask: give ckpt_path=PATH too")
     try:
         root = KittiRoot(args["root"], args["split_dir"])
         frame = root.read_frame(args["frame"], road_map=root.has_road_maps())
     except KittiFormatError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if args["fov_only"]:  # as the dataset does for training and evaluation
+        frame.points = frame.points[in_camera_fov(frame.points, frame.calib, frame.image_size or IMAGE_SIZE)]
     dets, grid, mask = None, None, None
     if args["ckpt_path"]:
-        from detector.tasks import decode_kwargs, load_detector
+        from detector.tasks import load_detector
 
         try:
-            model, cfg = load_detector(args["ckpt_path"])
-        except (CheckpointError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
+            model, cfg = load_detector(args["ckpt_path"], mask_override=args["mask"])
+            model.eval()
+            found, mask = detect(model, cfg, frame)  # ValueError: e.g. a road-map model on a frame without one
+        except (CheckpointError, ValueError, HydraException) as e:
+            print(one_line(e) if isinstance(e, HydraException) else f"error: {e}", file=sys.stderr)
             return 1
-        model.eval()
-        batch = collate_frames([frame])
-        if cfg.mask.get("provider") is not None and cfg.model.sparse:
-            from hydra.utils import instantiate
-
-            try:
-                batch.mask = instantiate(cfg.mask.provider)(batch, model.grid).mask
-            except ValueError as e:  # e.g. a road-map model on a frame without a road map
-                print(f"error: {e}", file=sys.stderr)
-                return 1
-        with torch.no_grad():
-            out = model(batch)
-            dets = model.decode(out, **decode_kwargs(cfg.model))[0]
-        keep = dets.scores >= args["score_threshold"]
-        dets = dets.boxes[keep]
+        dets = found.boxes[found.scores >= args["score_threshold"]]
         grid = model.grid
-        mask = None if out.mask is None else out.mask[0, 0]
     out_path = Path(args["out"] or f"frame_{args['frame']}.png")
     boxes = [(frame.gt_boxes, (0.2, 0.9, 0.2))] + ([(dets, (1.0, 0.25, 0.25))] if dets is not None else [])
     if args["mode"] in ("auto", "3d"):

@@ -11,8 +11,12 @@ Ops (each a small configurable object with ``__call__(frame, rng) -> Frame``):
   are removed.
 - :class:`GlobalFlip` (about the x axis: y → −y, yaw → −yaw), :class:`GlobalRotation` (about z),
   :class:`GlobalScaling`: points, boxes and road map together.
+- Sim-to-real (simulator vs a real LiDAR): :class:`BeamDropout` (whole rings, from the elevation angle),
+  :class:`ObjectPointDropout` (a share of an object's points), :class:`IntensityJitter` (reflectance gain and
+  noise), :class:`GroundTilt` (small roll and pitch of the scene; objects move with their box centres).
 :class:`Augmentor` applies a list of ops in order; the usual order is GT sampling, object noise, flip,
-rotation, scaling.
+rotation, scaling (``experiment=sim2real``: GT sampling, beam dropout, object point dropout, object noise,
+intensity jitter, ground tilt, flip, rotation, scaling).
 
 Invariants: every point inside an object's box before an op is inside the box after it (up to float32
 rounding of the stored coordinates), pasted points lie in their pasted box, yaw stays in [−π, π).
@@ -255,6 +259,158 @@ class ObjectNoise(_Op):
             drop = _any_box(len(out_pts), points_in_boxes_sparse(out_pts, moved_boxes)) & (count == 0)
             out_pts = out_pts[~drop]
         return _replace(frame, points=out_pts, gt_boxes=new_boxes)
+
+
+# --------------------------------------------------------------------------------------------------
+# Sensor and scene differences between the simulator and a real LiDAR (sim-to-real)
+# --------------------------------------------------------------------------------------------------
+def _check_fractions(name: str, lo: float, hi: float) -> None:
+    if not (0.0 <= float(lo) <= float(hi) <= 1.0):
+        raise ValueError(f"{name} needs 0 <= min_fraction <= max_fraction <= 1, got {lo!r}, {hi!r}")
+
+
+def elevation_rings(points: np.ndarray, min_gap_deg: float = 0.1) -> np.ndarray:
+    """[N] int64 ring index of each point (0: the lowest), from its elevation angle seen from the LiDAR
+    origin, atan2(z, hypot(x, y)): sorted elevations start a new ring wherever consecutive values are more
+    than ``min_gap_deg`` apart. Exact on our simulator's scans (64 beams at fixed elevations, at least 1/3°
+    apart); a real scan's rings are blurred by per-laser offsets and are not separable this way."""
+    if len(points) == 0:
+        return np.zeros(0, dtype=np.int64)
+    p = points[:, :3].astype(np.float64)
+    el = np.degrees(np.arctan2(p[:, 2], np.hypot(p[:, 0], p[:, 1])))
+    order = np.argsort(el, kind="stable")
+    ring_sorted = np.concatenate([[0], np.cumsum(np.diff(el[order]) > min_gap_deg)])
+    ring = np.empty(len(p), dtype=np.int64)
+    ring[order] = ring_sorted
+    return ring
+
+
+class BeamDropout(_Op):
+    """With probability ``prob``, remove whole rings of the scan: a share drawn uniformly in
+    [min_fraction, max_fraction] of the frame's rings (:func:`elevation_rings`, rounded down), chosen
+    uniformly without replacement; every point of a chosen ring goes, the others stay. Boxes are kept (as
+    on a real scan, an object may then have fewer or no points). Apply it before ops that move objects
+    off their beams' elevations (ObjectNoise, GroundTilt); GT sampling pastes objects at their recorded
+    place, so their rings are the frame's."""
+
+    def __init__(self, prob: float = 0.5, min_fraction: float = 0.0, max_fraction: float = 0.25,
+                 min_gap_deg: float = 0.1):
+        _check_prob("BeamDropout.prob", prob)
+        _check_fractions("BeamDropout", min_fraction, max_fraction)
+        if not (math.isfinite(float(min_gap_deg)) and float(min_gap_deg) > 0):
+            raise ValueError(f"BeamDropout.min_gap_deg must be > 0, got {min_gap_deg!r}")
+        self.prob = float(prob)
+        self.min_fraction = float(min_fraction)
+        self.max_fraction = float(max_fraction)
+        self.min_gap_deg = float(min_gap_deg)
+
+    def __call__(self, frame: Frame, rng: np.random.Generator) -> Frame:
+        apply = rng.random() < self.prob
+        share = float(rng.uniform(self.min_fraction, self.max_fraction))
+        if not apply or len(frame.points) == 0:
+            return frame
+        ring = elevation_rings(frame.points, self.min_gap_deg)
+        n_rings = int(ring.max()) + 1
+        dropped = rng.choice(n_rings, size=int(share * n_rings), replace=False)
+        return _replace(frame, points=frame.points[~np.isin(ring, dropped)])
+
+
+class IntensityJitter(_Op):
+    """With probability ``prob``, reflectance r → clip(s·r + ε, 0, 1) with one gain s ~ U(min_scale,
+    max_scale) per frame and ε ~ N(0, noise_std) per point (a real sensor's reflectance calibration
+    differs from the simulator's material model). Coordinates and boxes are unchanged."""
+
+    def __init__(self, prob: float = 1.0, min_scale: float = 0.8, max_scale: float = 1.2, noise_std: float = 0.03):
+        _check_prob("IntensityJitter.prob", prob)
+        if not (0 <= float(min_scale) <= float(max_scale) and math.isfinite(float(max_scale))):
+            raise ValueError(f"IntensityJitter needs 0 <= min_scale <= max_scale: {min_scale!r}, {max_scale!r}")
+        if not (math.isfinite(float(noise_std)) and float(noise_std) >= 0):
+            raise ValueError(f"IntensityJitter.noise_std must be >= 0, got {noise_std!r}")
+        self.prob = float(prob)
+        self.min_scale = float(min_scale)
+        self.max_scale = float(max_scale)
+        self.noise_std = float(noise_std)
+
+    def __call__(self, frame: Frame, rng: np.random.Generator) -> Frame:
+        if rng.random() >= self.prob:
+            return frame
+        gain = float(rng.uniform(self.min_scale, self.max_scale))
+        pts = frame.points.copy()
+        r = pts[:, 3].astype(np.float64) * gain
+        if self.noise_std > 0:
+            r += rng.normal(0.0, self.noise_std, size=len(r))
+        pts[:, 3] = np.clip(r, 0.0, 1.0)
+        return _replace(frame, points=pts)
+
+
+def tilt_matrix(roll: float, pitch: float) -> np.ndarray:
+    """[3, 3] rotation about the LiDAR x axis by ``roll``, then about the y axis by ``pitch`` (radians)."""
+    cr, sr, cp, sp = math.cos(roll), math.sin(roll), math.cos(pitch), math.sin(pitch)
+    rx = np.array([[1.0, 0.0, 0.0], [0.0, cr, -sr], [0.0, sr, cr]])
+    ry = np.array([[cp, 0.0, sp], [0.0, 1.0, 0.0], [-sp, 0.0, cp]])
+    return ry @ rx
+
+
+class GroundTilt(_Op):
+    """With probability ``prob``, tilt the scene about the LiDAR origin by a roll and a pitch each drawn
+    uniformly in [−max_angle, max_angle] (a sensor mounted or a road sloped differently from the
+    simulator's level ground). Background points rotate; box centres rotate; an object's points move
+    with its box centre (c → R c), unrotated, since a box has a yaw only: every point inside a box stays
+    inside its moved box. Yaw, sizes and the road map are kept (a 2D raster: at the default 2° a ground
+    point within 50 m moves by at most about 0.1 m in x, y, far less than the road mask's 2 m dilation)."""
+
+    def __init__(self, prob: float = 0.5, max_angle: float = 0.035):
+        _check_prob("GroundTilt.prob", prob)
+        if not (math.isfinite(float(max_angle)) and 0 <= float(max_angle) < math.pi / 4):
+            raise ValueError(f"GroundTilt.max_angle must be in [0, pi/4) radians, got {max_angle!r}")
+        self.prob = float(prob)
+        self.max_angle = float(max_angle)
+
+    def __call__(self, frame: Frame, rng: np.random.Generator) -> Frame:
+        apply = rng.random() < self.prob
+        roll, pitch = (float(a) for a in rng.uniform(-self.max_angle, self.max_angle, size=2))
+        if not apply:
+            return frame
+        rot = tilt_matrix(roll, pitch)
+        xyz = frame.points[:, :3].astype(np.float64)
+        out = xyz @ rot.T
+        boxes = frame.gt_boxes.tensor.detach().cpu().double().numpy().copy()
+        centres = boxes[:, :3] @ rot.T
+        taken = np.zeros(len(xyz), dtype=bool)
+        for j, idx in enumerate(points_in_boxes_sparse(frame.points, frame.gt_boxes)):
+            idx = idx[~taken[idx]]  # a point in two boxes moves with the first
+            out[idx] = xyz[idx] + (centres[j] - boxes[j, :3])
+            taken[idx] = True
+        boxes[:, :3] = centres
+        pts = frame.points.copy()
+        pts[:, :3] = out
+        return _replace(frame, points=pts, gt_boxes=_boxes_like(torch.from_numpy(boxes), frame.gt_boxes))
+
+
+class ObjectPointDropout(_Op):
+    """Each object, with probability ``prob``, loses a share drawn uniformly in [min_fraction,
+    max_fraction] of its points (rounded down), chosen uniformly (a real scan returns fewer points from
+    dark paint, glass and partly occluded cars than the simulator's surfaces). Background points and
+    boxes are unchanged."""
+
+    def __init__(self, prob: float = 0.5, min_fraction: float = 0.0, max_fraction: float = 0.5):
+        _check_prob("ObjectPointDropout.prob", prob)
+        _check_fractions("ObjectPointDropout", min_fraction, max_fraction)
+        self.prob = float(prob)
+        self.min_fraction = float(min_fraction)
+        self.max_fraction = float(max_fraction)
+
+    def __call__(self, frame: Frame, rng: np.random.Generator) -> Frame:
+        n = len(frame.gt_boxes)
+        apply = rng.random(n) < self.prob
+        share = rng.uniform(self.min_fraction, self.max_fraction, size=n)
+        if not apply.any():
+            return frame
+        drop = np.zeros(len(frame.points), dtype=bool)
+        for j, idx in enumerate(points_in_boxes_sparse(frame.points, frame.gt_boxes)):
+            if apply[j] and len(idx):
+                drop[rng.choice(idx, size=int(share[j] * len(idx)), replace=False)] = True
+        return _replace(frame, points=frame.points[~drop])
 
 
 # --------------------------------------------------------------------------------------------------

@@ -19,8 +19,10 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Sampler
 
 from detector.data.dataset import KittiDataset
+from detector.data.kitti import KittiRoot
 from detector.data.masks import RoadMapMask
 from detector.data.structures import Batch, Frame, collate_frames
+from detector.errors import KittiFormatError
 from detector.geometry.voxelize import BevGrid
 
 
@@ -154,6 +156,9 @@ class KittiDataModule(L.LightningDataModule):
             if split is None:
                 raise ValueError(f"no {stage} split configured (data.{stage}_split)")
             needs_road = isinstance(self.mask_provider, RoadMapMask)
+            if stage == "train" and not KittiRoot(self.root).has_labels():  # else it would learn empty scenes
+                raise KittiFormatError(KittiRoot(self.root).dir / "label_2",
+                                       "training needs labels, and this dataset has no label_2 folder")
             self.datasets[stage] = KittiDataset(
                 self.root, split, road_map=needs_road, skip_bad_frames=self.skip_bad_frames,
                 transform=self.augment if stage == "train" else None, seed=self.seed, fov_only=self.fov_only,

@@ -13,7 +13,7 @@ import torch.utils.data
 from detector.data.kitti import KittiRoot
 from detector.data.kitti_calib import Calibration
 from detector.data.kitti_camera import in_camera_fov
-from detector.data.kitti_labels import read_label
+from detector.data.kitti_labels import IMAGE_SIZE, read_label
 from detector.data.structures import Frame
 from detector.errors import KittiFormatError
 
@@ -84,7 +84,7 @@ class KittiDataset(torch.utils.data.Dataset):
                 raise KittiFormatError(
                     bin_path, f"truncated or empty point cloud ({size} bytes, not a positive multiple of 16)"
                 )
-            Calibration.from_file(self.root.path("calib", frame_id))
+            self.root.image_size(frame_id, Calibration.from_file(self.root.path("calib", frame_id)))
             if self.root.has_labels():
                 read_label(self.root.path("label_2", frame_id), with_score=False)
             if self.road_map and not self.root.path("road_map", frame_id).exists():
@@ -110,7 +110,7 @@ class KittiDataset(torch.utils.data.Dataset):
                 log.warning("skipping bad frame %s", e)
                 continue
             if self.fov_only:  # KITTI labels objects in the camera's view only
-                frame.points = frame.points[in_camera_fov(frame.points, frame.calib)]
+                frame.points = frame.points[in_camera_fov(frame.points, frame.calib, frame.image_size or IMAGE_SIZE)]
             if self.transform is not None:
                 rng = np.random.default_rng([self.seed, self.epoch, index])
                 frame = self.transform(frame, rng)

@@ -7,6 +7,8 @@ ROOT/training/label_2/%06d.txt              15 fields per object (16 with a scor
                                             detector.data.kitti_labels
 ROOT/training/calib/%06d.txt                P0..P3, R0_rect, Tr_velo_to_cam, Tr_imu_to_velo:
                                             detector.data.kitti_calib
+ROOT/training/image_2/%06d.png              left colour image (optional): only its size is read (PNG
+                                            header), checked against calib P2 (read_png_size)
 ROOT/training/road_map/%06d.png + grid.json drivable area raster (our simulator only):
                                             detector.data.road_map
 ROOT/testing/...                            same, without label_2
@@ -55,6 +57,38 @@ def read_points(path: str | Path) -> np.ndarray:
         first = int(np.flatnonzero(bad)[0])
         raise KittiFormatError(path, f"{int(bad.sum())} points with NaN or infinite values (first: point {first})")
     return pts
+
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def read_png_size(path: str | Path) -> tuple[int, int]:
+    """(width, height) of a PNG from its header (the first 24 bytes: signature, then the IHDR chunk)."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(24)
+    except FileNotFoundError:
+        raise KittiFormatError(path, "image not found") from None
+    if len(head) < 24 or head[:8] != PNG_SIGNATURE or head[12:16] != b"IHDR":
+        raise KittiFormatError(path, "not a PNG image (no PNG signature and IHDR header)")
+    w, h = int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+    if w == 0 or h == 0:
+        raise KittiFormatError(path, f"PNG header gives an empty image ({w}x{h})")
+    return w, h
+
+
+def check_image_matches_calib(size: tuple[int, int], calib: Calibration, image: Path, calib_path: Path) -> None:
+    """A camera's principal point lies near its image's centre (KITTI's P2: (604-610, 172-182) px in
+    1224-1242 x 370-376 images); one outside the middle half of the image means the image and the
+    calibration do not belong together (e.g. a resized image, another camera's calibration)."""
+    w, h = size
+    cx, cy = float(calib.P2[0, 2]), float(calib.P2[1, 2])
+    if not (w / 4 < cx < 3 * w / 4 and h / 4 < cy < 3 * h / 4):
+        raise KittiFormatError(
+            image, f"image size {w}x{h} does not match the calibration {calib_path}: P2's principal point "
+            f"({cx:.1f}, {cy:.1f}) px lies outside the middle half of the image"
+        )
 
 
 def write_points(path: str | Path, points: np.ndarray) -> None:
@@ -108,6 +142,16 @@ class KittiRoot:
     def has_road_maps(self) -> bool:
         return (self.dir / "road_map" / "grid.json").is_file()
 
+    def image_size(self, frame_id: str, calib: Calibration) -> tuple[int, int] | None:
+        """(width, height) of the frame's left colour image, checked against its calibration; None where
+        the root has no such image (our simulator writes none; images are optional)."""
+        path = self.path("image_2", frame_id)
+        if not path.is_file():
+            return None
+        size = read_png_size(path)
+        check_image_matches_calib(size, calib, path, self.path("calib", frame_id))
+        return size
+
     def read_frame(self, frame_id: str, road_map: bool = False) -> Frame:
         """Load a frame; raises KittiFormatError naming the bad or missing file."""
         from detector.data.kitti_camera import labels_to_boxes
@@ -116,6 +160,7 @@ class KittiRoot:
 
         points = read_points(self.path("velodyne", frame_id))
         calib = Calibration.from_file(self.path("calib", frame_id))
+        image_size = self.image_size(frame_id, calib)
         labels = None
         boxes, names = Boxes3D.empty(), np.zeros(0, dtype="<U16")
         if self.has_labels():
@@ -131,4 +176,4 @@ class KittiRoot:
                     "no road maps in this dataset (real KITTI has none): use mask=predicted, ground or none",
                 )
             road = read_road_map(self.path("road_map", frame_id))
-        return Frame(frame_id, points, calib, boxes, names, labels, road)
+        return Frame(frame_id, points, calib, boxes, names, labels, road, image_size)

@@ -28,6 +28,8 @@ class Frame:
     ``points`` [N, 4] float32 (x, y, z, reflectance) in the LiDAR frame. ``gt_boxes``/``gt_names`` are
     the labeled objects (DontCare excluded) and change with augmentation; ``labels`` keeps the file's
     raw records (with DontCare) for evaluation. ``labels`` is None on a split without labels.
+    ``image_size`` (width, height) of the left colour image where the root has one (real KITTI's vary:
+    1224-1242 x 370-376), else None (:data:`detector.data.kitti_labels.IMAGE_SIZE` is assumed).
     """
 
     frame_id: str
@@ -37,6 +39,7 @@ class Frame:
     gt_names: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype="<U16"))
     labels: KittiLabels | None = None
     road_map: RoadMap | None = None
+    image_size: tuple[int, int] | None = None
 
 
 @dataclass

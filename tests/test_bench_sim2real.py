@@ -1,0 +1,125 @@
+"""scripts/bench_sim2real.py end to end on hand-built KITTI frames and tiny checkpoints: per mask the evaluation's
+metrics.json plus recall by distance, a mask the checkpoint cannot run reported as not available, images."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from detector.data.kitti_labels import read_label
+from tests.test_eval_app import car_root, oracle, predicted_ckpt  # noqa: F401 (fixtures)
+from tests.test_train import REPO
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("bench_sim2real", REPO / "scripts" / "bench_sim2real.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _distances(root: Path) -> np.ndarray:
+    d = [np.hypot(lab.location[:, 0], lab.location[:, 2]) for lab in
+         (read_label(p, with_score=False) for p in sorted((root / "training" / "label_2").glob("*.txt")))]
+    return np.concatenate(d)
+
+
+def test_bench_on_ground_truth_detections(car_root, predicted_ckpt, oracle, tmp_path):  # noqa: F811
+    """A model that outputs the ground truth: AP 100 and recall 1 in every band that has ground truth, for every
+    mask; each mask's entry is exactly the metrics.json its evaluation wrote, plus the recall."""
+    out = tmp_path / "bench" / "sim2real.json"
+    assert _script().main([f"ckpt_path={predicted_ckpt}", f"real={car_root}", f"out={out}", "images=1",
+                           f"images_dir={tmp_path / 'img'}"]) == 0
+    res = json.loads(out.read_text())
+    dist = _distances(car_root)  # all 96 cars are inside the TINY grid
+    expected_gt = {"0-20": int((dist < 20).sum()), "20-40": int(((dist >= 20) & (dist < 40)).sum()), "40+": 0,
+                   "within 40": 96}
+    assert expected_gt["0-20"] > 0  # (the other bands: test_recall_counts_a_car_only_above_the_iou)
+    for mask in ("none", "ground", "predicted"):
+        r = res[mask]
+        assert r["Car"]["bev"]["R40"]["moderate"] == 100.0 and r["Car"]["3d"]["R40"]["easy"] == 100.0
+        written = json.loads((Path(res["meta"]["output_dir"]) / mask / "metrics.json").read_text())
+        assert {k: v for k, v in r.items() if k != "recall"} == written
+        for band, n in expected_gt.items():
+            rec = r["recall"][band]
+            assert rec["gt"] == n, (mask, band)
+            want = 1.0 if n else None
+            assert rec["recall_bev_0.5"] == want and rec["recall_bev_0.7"] == want
+    assert res["meta"]["frames"] == 12 and res["meta"]["checkpoint"] == str(predicted_ckpt)
+    md = out.with_suffix(".md").read_text()
+    assert "| none | 100.00 | 100.00 | 100.00 | 100.00 |" in md and "| predicted | 100.00" in md
+    pngs = sorted(p.name for p in (tmp_path / "img").glob("*.png"))
+    assert pngs == ["000000_ground.png", "000000_none.png"]  # the first frame, the first two masks
+
+
+def test_recall_counts_a_car_only_above_the_iou(tmp_path):
+    """Hand-built files: one GT car and a detection shifted along its length. Shift s of a 4 m car (same width):
+    IoU = (4 - s) / (4 + s): s = 1 -> 0.6 (found at 0.5, not 0.7), s = 0.2 -> 0.905 (found at both); a GT at 45 m
+    without detection counts in 40+ only."""
+    from detector.data.kitti_labels import KittiLabels, write_label
+
+    def labels(rows, score=None):
+        n = len(rows)
+        return KittiLabels(
+            name=np.array(["Car"] * n), truncated=np.zeros(n), occluded=np.zeros(n, np.int64), alpha=np.zeros(n),
+            bbox=np.tile([100.0, 100.0, 200.0, 200.0], (n, 1)), dimensions=np.tile([1.5, 1.8, 4.0], (n, 1)),
+            location=np.array([[0.0, 1.6, z] for z in rows]), rotation_y=np.full(n, np.pi / 2),
+            score=None if score is None else np.full(n, score))
+
+    for shift, found in ((1.0, (True, False)), (0.2, (True, True))):
+        gt_dir, res_dir = tmp_path / f"gt{shift}", tmp_path / f"res{shift}"
+        gt_dir.mkdir()
+        res_dir.mkdir()
+        write_label(gt_dir / "000000.txt", labels([10.0, 45.0]))
+        write_label(res_dir / "000000.txt", labels([10.0 + shift], score=0.9))  # ry = pi/2: length along z
+        rec = _script().recall_by_distance(gt_dir, res_dir)
+        assert rec["0-20"] == {"gt": 1, "recall_bev_0.5": float(found[0]), "recall_bev_0.7": float(found[1])}
+        assert rec["40+"] == {"gt": 1, "recall_bev_0.5": 0.0, "recall_bev_0.7": 0.0}
+        assert rec["20-40"] == {"gt": 0, "recall_bev_0.5": None, "recall_bev_0.7": None}
+        assert rec["within 40"]["gt"] == 1
+
+
+def test_predicted_without_a_mask_net_is_not_available(car_root, predicted_ckpt, tmp_path):  # noqa: F811
+    """A checkpoint without mask-net weights (as one trained with mask=road_map): mask=predicted is reported as
+    not available with the reason; the other masks are evaluated."""
+    from detector.callbacks import load_checkpoint
+
+    ckpt = load_checkpoint(predicted_ckpt)
+    ckpt["state_dict"] = {k: v for k, v in ckpt["state_dict"].items() if ".mask_net." not in k}
+    ckpt["hyper_parameters"]["config"]["mask"] = {"provider": None, "net": None}
+    path = tmp_path / "no_mask_net.ckpt"
+    torch.save(ckpt, path)
+    out = tmp_path / "sim2real.json"
+    assert _script().main([f"ckpt_path={path}", f"real={car_root}", f"out={out}", "images=0",
+                           "masks=none,predicted"]) == 0
+    res = json.loads(out.read_text())
+    assert res["predicted"]["available"] is False and "has no trained mask net" in res["predicted"]["reason"]
+    assert 0.0 <= res["none"]["Car"]["bev"]["R40"]["moderate"] <= 100.0
+    assert "| predicted | not available: mask: " in out.with_suffix(".md").read_text()
+
+
+def test_bench_without_real_frames_says_so_in_one_line(car_root, tmp_path):  # noqa: F811
+    with pytest.raises(SystemExit, match=r"error: .*missing: no real KITTI frames there"):
+        _script().main([f"real={tmp_path / 'missing'}", "ckpt_path=x.ckpt"])
+    with pytest.raises(SystemExit, match="unknown mask 'road'"):
+        _script().main([f"real={car_root}", "masks=none,road"])
+
+
+def test_bench_trains_a_checkpoint_when_none_is_given(tiny_root, car_root, tmp_path):  # noqa: F811
+    """Without ckpt_path: scripts/train.py on train_root (here with the TINY settings and one step), then the
+    evaluation of its checkpoint; the JSON records the training command."""
+    from tests.test_train import TINY
+
+    extra = " ".join([*TINY, "trainer.max_steps=1", "trainer.limit_val_batches=0", "evaluate_after=false",
+                      "logger=none", "callbacks.model_checkpoint.monitor=null"])
+    out = tmp_path / "sim2real.json"
+    assert _script().main([f"train_root={tiny_root}", f"real={car_root}", f"out={out}", "images=0", "masks=none",
+                           f"extra={extra}"]) == 0
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["train_command"].startswith(f"python scripts/train.py data.root={tiny_root}")
+    assert Path(meta["checkpoint"]).is_file() and "trainer.max_steps=1" in meta["train_command"]
