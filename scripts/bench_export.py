@@ -1,12 +1,14 @@
 """Inference ms/frame of the exported detector on the CPU: eager, torch.compile, the .pt2 program, onnxruntime.
 
-    python scripts/bench_export.py [bevs=small,kitti] [frames=4] [reps=5] [root=data/sim_kitti]
+    python scripts/bench_export.py [bevs=small,kitti] [frames=4] [reps=5] [root=data/sim_kitti] [block_size=auto]
                                    [backends=eager,compile,pt2,onnx] [out=benchmarks/export_cpu]
 
 The CPU training config's model (configs/model/sparse.yaml, random weights, eval mode) on the first ``frames``
 val frames of ``root`` one at a time (batch 1), sparse on the frames' road-map masks and dense (mask=none), through
-each backend: eager PyTorch (the network the programs are exported from, plan frozen on the first frame),
-``torch.compile`` (inductor, dynamic shapes, the block counts captured in the graph), the ``torch.export``
+each backend: eager PyTorch (the network the programs are exported from, plan frozen on the first frame;
+``block_size=16`` fixes the tiles of every sparse stage instead of the ``auto`` plan, which may choose dense),
+``torch.compile`` (:func:`detector.export.compile_net`: inductor, dynamic shapes, the block counts captured in the
+graph; inductor's layout optimization off for the sparse network, see compile_net), the ``torch.export``
 program (``ExportedProgram.module()``) and the ONNX model on onnxruntime's CPU provider (the sbnet ops in
 standard operators). Time = network only (BEV tensor + mask -> heatmap + regression): median over ``reps``
 passes over the frames, after two warm-up passes. Outputs are checked against eager (max abs difference).
@@ -33,10 +35,11 @@ from detector.tasks import build_datamodule, build_grid, build_model
 REPO = Path(__file__).resolve().parents[1]
 
 
-def frames(bev: str, root: str, n: int):
+def frames(bev: str, root: str, n: int, block_size: str):
     with initialize_config_dir(str(REPO / "configs"), version_base="1.3"):
         cfg = compose("train", overrides=[f"bev={bev}", f"data.root={root}", "data.num_workers=0",
-                                          "data.augment=null", "data.eval_batch_size=1", "paths.output_dir=/tmp/be"])
+                                          "data.augment=null", "data.eval_batch_size=1", "paths.output_dir=/tmp/be",
+                                          f"model.block_size={block_size}", f"model.head_block_size={block_size}"])
     grid = build_grid(cfg.bev)
     torch.manual_seed(0)
     model = build_model(cfg.model, cfg.mask, grid).eval()
@@ -66,7 +69,7 @@ def timed(fn, inputs, reps: int) -> float:
 
 
 def bench(bev: str, args: dict, tmp: Path) -> list[dict]:
-    model, data = frames(bev, args["root"], int(args["frames"]))
+    model, data = frames(bev, args["root"], int(args["frames"]), args["block_size"])
     rows = []
     for variant in ("sparse", "dense"):
         source = "input" if variant == "sparse" else "none"
@@ -101,34 +104,17 @@ def bench(bev: str, args: dict, tmp: Path) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    args = parse_args(None, {"bevs": "small,kitti", "frames": 4, "reps": 5, "root": "data/sim_kitti",
-                             "backends": "eager,compile,pt2,onnx", "out": "benchmarks/export_cpu"}, __doc__)
-    args["backends"] = args["backends"].split(",")
-    meta = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "allocator": {k: os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")},
-            "frames": int(args["frames"]), "reps": int(args["reps"]), "root": args["root"], "batch": 1,
-            "loadavg_start": os.getloadavg()}
-    try:
-        import onnxruntime
-
-        meta["onnxruntime"] = onnxruntime.__version__
-    except ImportError:
-        pass
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for bev in args["bevs"].split(","):
-            rows += bench(bev, args, Path(tmp))
-    meta["loadavg_end"] = os.getloadavg()  # a shared machine: other work there slows every row
-    out = Path(args["out"])
-    out.parent.mkdir(parents=True, exist_ok=True)
+def write(out: Path, meta: dict, rows: list[dict]) -> None:
+    meta = dict(meta, loadavg_end=os.getloadavg())  # a shared machine: other work there slows every row
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = [f"# Exported detector, CPU inference ({meta['cpu']}, {meta['threads']} threads, torch {meta['torch']}, "
              f"onnxruntime {meta.get('onnxruntime')}, allocator {meta['allocator']}; load average "
              f"{meta['loadavg_start'][0]:.1f} at the start, {meta['loadavg_end'][0]:.1f} at the end)", "",
-             f"`python scripts/bench_export.py frames={meta['frames']} reps={meta['reps']}` - batch 1, median of "
-             f"{meta['reps']} passes over {meta['frames']} "
-             "val frames (road-map masks); ms/frame of the network (BEV + mask -> heatmap + regression).", "",
+             f"`python scripts/bench_export.py frames={meta['frames']} reps={meta['reps']} "
+             f"block_size={meta['block_size']}` - batch 1, median of {meta['reps']} passes over {meta['frames']} "
+             "val frames (road-map masks); ms/frame of the network (BEV + mask -> heatmap + regression); compile = "
+             "inductor via detector.export.compile_net (layout optimization off for the sparse network); prepare s "
+             "includes the first call (compiling).", "",
              "| bev | variant | backend | ms/frame | max abs diff vs eager | prepare s |", "|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
@@ -137,6 +123,31 @@ def main() -> None:
             lines.append(f"| {r['bev']} | {r['variant']} | {r['backend']} | {r['ms_per_frame']:.1f} | "
                          f"{r['max_abs_diff_vs_eager']:.1e} | {r['prepare_s']} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    args = parse_args(None, {"bevs": "small,kitti", "frames": 4, "reps": 5, "root": "data/sim_kitti",
+                             "backends": "eager,compile,pt2,onnx", "out": "benchmarks/export_cpu",
+                             "block_size": "auto"}, __doc__)
+    args["backends"] = args["backends"].split(",")
+    meta = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "allocator": {k: os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")},
+            "frames": int(args["frames"]), "reps": int(args["reps"]), "root": args["root"], "batch": 1,
+            "block_size": args["block_size"],
+            "loadavg_start": os.getloadavg()}
+    try:
+        import onnxruntime
+
+        meta["onnxruntime"] = onnxruntime.__version__
+    except ImportError:
+        pass
+    rows = []
+    out = Path(args["out"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for bev in args["bevs"].split(","):
+            rows += bench(bev, args, Path(tmp))
+            write(out, meta, rows)  # after each grid: a run cut short keeps what it measured
     print(f"wrote {out}.json and {out}.md")
 
 
