@@ -90,7 +90,7 @@ def _panel(draw, box, title: str, edges, curves: dict[str, np.ndarray], xlabel: 
     lo, hi = float(edges[0]), float(edges[-1])
     fx = lambda v: px0 + (v - lo) / (hi - lo) * (px1 - px0)  # noqa: E731
     fy = lambda v: py1 - v / ymax * (py1 - py0)  # noqa: E731
-    for name, c in curves.items():
+    for name, c in reversed(curves.items()):  # the reference (first) drawn last, on top
         pts = []
         for k, v in enumerate(c):
             pts += [(fx(edges[k]), fy(v)), (fx(edges[k + 1]), fy(v))]
