@@ -2,7 +2,7 @@
 
     python scripts/compare_domains.py sim=ROOT [real=../shared/kitti_real] [baseline=ROOT] [split=all]
                                       [real_split=all] [max_frames=0] [bev=small]
-                                      [out=benchmarks/domains_cpu.json] [plots=benchmarks/domains] [note=]
+                                      [out=benchmarks] [note=]
 
 sim         a KITTI-format root (our simulator's output)
 real        the reference root (real KITTI frames)
@@ -14,9 +14,12 @@ real_split  the same for ``real``
 bev         the BEV grid config (configs/bev/{bev}.yaml) the occupancy and channel statistics use
 note        a line for the report (e.g. how the roots were made)
 
+out         the folder the report goes to: OUT/domains_cpu.json, OUT/domains_cpu.md and the PNG histograms
+            OUT/domains/{points,objects,scene}.png. The default (benchmarks) rewrites the committed report;
+            give another folder for a run of your own
+
 The statistics (detector/data/domains.py) are measured on each root; every 1-D statistic is compared to
-``real`` with W1 (1-D Wasserstein distance), W1 / std of the real samples, and the KS statistic. Writes
-``out`` (JSON), the markdown report beside it (same name, .md) and a few PNG histograms under ``plots``.
+``real`` with W1 (1-D Wasserstein distance), W1 / std of the real samples, and the KS statistic.
 """
 
 from __future__ import annotations
@@ -50,10 +53,13 @@ DEFAULTS = {
     "real_split": "all",
     "max_frames": 0,
     "bev": "small",
-    "out": "benchmarks/domains_cpu.json",
-    "plots": "benchmarks/domains",
+    "out": "benchmarks",
     "note": "",
 }
+# The report's files inside ``out`` (the default ``out=benchmarks`` gives the committed report's paths).
+REPORT_JSON = "domains_cpu.json"
+REPORT_MD = "domains_cpu.md"
+PLOTS_DIR = "domains"
 COLORS = {"real": (0, 0, 0), "sim": (31, 119, 180), "before": (230, 120, 20)}
 
 
@@ -190,7 +196,8 @@ def report(domains: dict[str, DomainStats], distances: dict[str, list], meta: di
         "Distances to the real frames per statistic: W1 (1-D Wasserstein, in the statistic's unit), "
         "W1/σ (divided by the real samples' std: comparable across rows) and KS (largest CDF gap, 0..1)"
         + ("; `before`: the baseline root (the simulator before the change)." if before else "."),
-        "With 10 real frames the per-frame and per-Car rows rest on few samples (column n real).",
+        f"With {domains['real'].frames} real frames the per-frame and per-Car rows rest on few samples "
+        "(column n real).",
         "",
     ]
     head = "| statistic | unit | mean sim | mean real | n sim | n real | W1 | W1/σ | KS |"
@@ -260,6 +267,10 @@ def main(argv=None) -> int:
     args = parse_args(argv, DEFAULTS, USAGE)
     if not args["sim"]:
         raise SystemExit("error: sim=ROOT is required (see --help)")
+    out_dir = Path(args["out"])
+    if not args["out"] or out_dir.suffix in (".json", ".md") or out_dir.is_file():
+        raise SystemExit(f"error: out={args['out']}: a folder is expected (the report is written to "
+                         f"OUT/{REPORT_JSON}, OUT/{REPORT_MD} and OUT/{PLOTS_DIR}/*.png)")
     roots = {"sim": (_root(args["sim"]), args["split"]), "real": (_root(args["real"]), args["real_split"])}
     if args["baseline"]:
         roots["before"] = (_root(args["baseline"]), args["split"])
@@ -281,10 +292,11 @@ def main(argv=None) -> int:
     if "before" in domains:
         distances["before"] = compare(domains["before"], domains["real"])
     seconds = time.perf_counter() - t0
-    out = Path(args["out"])
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = out_dir / REPORT_JSON
+    md_path = out_dir / REPORT_MD
+    out_dir.mkdir(parents=True, exist_ok=True)
     order = {n: domains[n] for n in ("real", "sim", "before") if n in domains}
-    plots = plot(order, grid, Path(args["plots"]))
+    plots = plot(order, grid, out_dir / PLOTS_DIR)
     command = "python scripts/compare_domains.py " + " ".join(sys.argv[1:] if argv is None else argv)
     meta = {
         "command": command,
@@ -303,9 +315,9 @@ def main(argv=None) -> int:
         "distances": {k: [vars(d) for d in v] for k, v in distances.items()},
     }
     out.write_text(json.dumps(result, indent=1, default=float) + "\n")
-    out.with_suffix(".md").write_text(text)
+    md_path.write_text(text)
     print(text)
-    print(f"wrote {out}, {out.with_suffix('.md')} and {', '.join(map(str, plots))}")
+    print(f"wrote {out}, {md_path} and {', '.join(map(str, plots))}")
     return 0
 
 

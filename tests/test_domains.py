@@ -159,33 +159,57 @@ def tiny_roots(tmp_path_factory):
 
 
 def test_report_end_to_end(tiny_roots, tmp_path, capsys):
-    out = tmp_path / "domains_cpu.json"
+    out = tmp_path / "report"
     rc = _script().main([f"sim={tiny_roots / 'a'}", f"real={tiny_roots / 'b'}", f"baseline={tiny_roots / 'a'}",
-                         f"out={out}", f"plots={tmp_path / 'png'}"])
+                         f"out={out}"])
     assert rc == 0
-    r = json.loads(out.read_text())
+    # out= is a folder: the JSON, the markdown and the PNGs all go into it, nothing anywhere else.
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [
+        "domains", "domains/objects.png", "domains/points.png", "domains/scene.png", "domains_cpu.json",
+        "domains_cpu.md"]
+    r = json.loads((out / "domains_cpu.json").read_text())
     assert set(r["domains"]) == {"real", "sim", "before"}
     assert r["domains"]["sim"]["frames"] == 2
+    assert r["meta"]["plots"] == [str(out / "domains" / f"{n}.png") for n in ("points", "objects", "scene")]
     # The baseline is the same root: its distances equal sim's.
     assert r["distances"]["sim"] == r["distances"]["before"]
     names = [d["name"] for d in r["distances"]["sim"]]
     assert "elevation_deg" in names and f"bev_occupancy_slice{GRID.n_slices - 1}" in names
-    md = out.with_suffix(".md").read_text()
+    md = (out / "domains_cpu.md").read_text()
     assert "| elevation_deg |" in md and "W1/σ before" in md
-    pngs = sorted((tmp_path / "png").glob("*.png"))
+    assert "With 2 real frames the per-frame" in md  # the actual count, not a fixed 10
+    assert f"`{out / 'domains' / 'points.png'}`" in md
+    pngs = sorted((out / "domains").glob("*.png"))
     assert len(pngs) == 3 and all(0 < p.stat().st_size < 150_000 for p in pngs)
 
 
+def test_report_default_folder_is_the_committed_report():
+    """Without out= the report lands where the committed one is (its paths in the markdown do not change)."""
+    mod = _script()
+    out = Path(mod.DEFAULTS["out"])
+    assert (out / mod.REPORT_JSON, out / mod.REPORT_MD, out / mod.PLOTS_DIR) == (
+        Path("benchmarks/domains_cpu.json"), Path("benchmarks/domains_cpu.md"), Path("benchmarks/domains"))
+    committed = json.loads((REPO / "benchmarks" / "domains_cpu.json").read_text())["meta"]["plots"]
+    assert committed == [f"benchmarks/domains/{n}.png" for n in ("points", "objects", "scene")]
+
+
+def test_report_refuses_a_file_as_out(tiny_roots, tmp_path):
+    with pytest.raises(SystemExit, match=r"out=.*x\.json: a folder is expected"):
+        _script().main([f"sim={tiny_roots / 'a'}", f"real={tiny_roots / 'b'}", f"out={tmp_path / 'x.json'}"])
+    assert not (tmp_path / "x.json").exists()
+
+
 def test_report_refuses_a_missing_root(tiny_roots, tmp_path, capsys):
-    rc = _script().main([f"sim={tmp_path / 'nope'}", f"real={tiny_roots / 'b'}", f"out={tmp_path / 'x.json'}"])
+    rc = _script().main([f"sim={tmp_path / 'nope'}", f"real={tiny_roots / 'b'}", f"out={tmp_path / 'x'}"])
     assert rc == 1
     assert "nope" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
 
 
 @pytest.mark.skipif(not REAL.is_dir(), reason="no ../shared/kitti_real (real KITTI frames) beside the checkout")
 def test_report_against_real_kitti(tiny_roots, tmp_path):
-    out = tmp_path / "d.json"
-    assert _script().main([f"sim={tiny_roots / 'a'}", f"out={out}", f"plots={tmp_path / 'png'}"]) == 0
-    real = json.loads(out.read_text())["domains"]["real"]
+    out = tmp_path / "d"
+    assert _script().main([f"sim={tiny_roots / 'a'}", f"out={out}"]) == 0
+    real = json.loads((out / "domains_cpu.json").read_text())["domains"]["real"]
     assert real["frames"] == 10 and real["means"]["points_per_frame"] > 100_000
     assert real["objects_per_frame"]["Car"]["all"] > 1
