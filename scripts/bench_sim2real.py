@@ -98,6 +98,12 @@ def train_checkpoint(train_root: str, extra: str, out_dir: Path) -> tuple[str, s
     return run["best_ckpt"], " ".join(["python", *cmd[1:]])
 
 
+def in_real_terms(text: str, view: Path, real: Path) -> str:
+    """``text`` (an error message) with the temporary view's paths replaced by the user's real root: the view's
+    training/ is a link to ``real``/training, so a file named under it is that file of ``real``."""
+    return text.replace(str(view / "training"), str(real / "training")).replace(str(view), str(real))
+
+
 def _fmt(v) -> str:
     return "n/a" if v is None else f"{v:.2f}"
 
@@ -169,7 +175,7 @@ def main(argv=None) -> int:
     from hydra import compose, initialize_config_dir
 
     from detector.commands import visualize
-    from detector.errors import ConfigError
+    from detector.errors import USER_ERRORS, ConfigError, one_line
     from detector.machine import cpu_model
     from detector.resources import config_dir
     from detector.tasks import evaluate_checkpoint
@@ -196,19 +202,22 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         view, ids = real_view(real, Path(tmp))
         meta["frames"], meta["frame_ids"] = len(ids), ids
-        with initialize_config_dir(str(config_dir()), version_base="1.3"):
-            data_cfg = compose("eval", overrides=["data=kitti", f"data.root={view}", "ckpt_path=unused"]).data
-        for mask in masks:
-            try:
-                metrics = evaluate_checkpoint(ckpt, data_cfg, run_dir / mask, split="real", mask_override=mask)
-            except ConfigError as e:  # e.g. mask=predicted on a checkpoint without a mask net
-                result[mask] = {"available": False, "reason": str(e)}
-                print(f"mask={mask}: not available: {e}")
-                continue
-            run = json.loads((run_dir / mask / "metrics.json").read_text())["_run"]
-            meta["scope"] = run["scope"]
-            result[mask] = {**metrics, "_run": run,
-                            "recall": recall_by_distance(run_dir / mask / "label_2", run_dir / mask / "data")}
+        try:
+            with initialize_config_dir(str(config_dir()), version_base="1.3"):
+                data_cfg = compose("eval", overrides=["data=kitti", f"data.root={view}", "ckpt_path=unused"]).data
+            for mask in masks:
+                try:
+                    metrics = evaluate_checkpoint(ckpt, data_cfg, run_dir / mask, split="real", mask_override=mask)
+                except ConfigError as e:  # e.g. mask=predicted on a checkpoint without a mask net
+                    result[mask] = {"available": False, "reason": str(e)}
+                    print(f"mask={mask}: not available: {e}")
+                    continue
+                run = json.loads((run_dir / mask / "metrics.json").read_text())["_run"]
+                meta["scope"] = run["scope"]
+                result[mask] = {**metrics, "_run": run,
+                                "recall": recall_by_distance(run_dir / mask / "label_2", run_dir / mask / "data")}
+        except USER_ERRORS as e:  # a bad real frame: named under the user's real root, not the temporary view
+            raise SystemExit(in_real_terms(one_line(e), Path(tmp), real)) from None
         images = []
         drawn = [m for m in masks if result[m].get("available", True)][:2]
         if args["images"] > 0 and drawn:

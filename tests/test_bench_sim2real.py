@@ -123,3 +123,30 @@ def test_bench_trains_a_checkpoint_when_none_is_given(tiny_root, car_root, tmp_p
     meta = json.loads(out.read_text())["meta"]
     assert meta["train_command"].startswith(f"python scripts/train.py data.root={tiny_root}")
     assert Path(meta["checkpoint"]).is_file() and "trainer.max_steps=1" in meta["train_command"]
+
+
+@pytest.mark.parametrize("broken", ["no calib", "no label_2", "bad calib file"])
+def test_a_bad_real_root_is_named_as_the_user_gave_it(car_root, predicted_ckpt, tmp_path, broken):  # noqa: F811
+    """The real frames are read through a temporary view (its training/ links the real one): an error about one
+    of them names the file under the user's real root, not under /tmp/tmpXXXX/training."""
+    import shutil
+
+    real = tmp_path / "real"
+    shutil.copytree(car_root, real)
+    if broken == "no calib":
+        shutil.rmtree(real / "training" / "calib")
+        want = str(real / "training" / "calib" / "000000.txt")
+    elif broken == "no label_2":
+        shutil.rmtree(real / "training" / "label_2")
+        want = str(real / "training" / "label_2")
+    else:
+        (real / "training" / "calib" / "000003.txt").write_text("P2: 1 2\n")
+        want = str(real / "training" / "calib" / "000003.txt") + ":1:"
+    with pytest.raises(SystemExit) as e:
+        _script().main([f"ckpt_path={predicted_ckpt}", f"real={real}", f"out={tmp_path / 'o.json'}", "images=0",
+                        "masks=none"])
+    msg = str(e.value.code)
+    assert msg.startswith("error: ") and "\n" not in msg
+    assert want in msg, msg
+    assert msg.count("/training") == msg.count(str(real / "training"))  # no temporary view left in the line
+    assert not (tmp_path / "o.json").exists()
