@@ -1,11 +1,15 @@
 """Sim-to-real: a detector trained on our simulator only, evaluated on the real KITTI frames.
 
-    python scripts/bench_sim2real.py [ckpt_path=PATH] [real=../shared/kitti_real] [train_root=data/sim_kitti]
-                                     [masks=none,ground,predicted] [extra="..."] [images=3]
+    python scripts/bench_sim2real.py [ckpt_path=PATH] [predicted_ckpt_path=PATH] [real=../shared/kitti_real]
+                                     [train_root=data/sim_kitti] [masks=none,ground,predicted] [extra="..."]
+                                     [images=3]
                                      [out=benchmarks/sim2real_cpu.json] [images_dir=benchmarks/sim2real]
 
 Without ``ckpt_path`` it first trains one: ``scripts/train.py data.root=TRAIN_ROOT`` (the default config,
-plus ``extra`` Hydra overrides) in a subprocess, and takes its best checkpoint. ``real`` (relative to the
+plus ``extra`` Hydra overrides) in a subprocess, and takes its best checkpoint. ``predicted_ckpt_path``: a
+second checkpoint (one trained with ``mask=predicted``, e.g. bench_train's) that ``mask=predicted`` is
+evaluated with instead of ``ckpt_path``, whose mask net may be missing (the default config trains with
+``mask=road_map``): one run then writes all three masks under their names. ``real`` (relative to the
 repository root) is a KITTI-format folder with ``training/{velodyne,label_2,calib}``; every frame of its
 velodyne/ is evaluated (it needs no ImageSets: a temporary root links its training/ and lists them).
 
@@ -42,6 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 BANDS = (("0-20", 0.0, 20.0), ("20-40", 20.0, 40.0), ("40+", 40.0, np.inf), ("within 40", 0.0, 40.0))
 IOUS = (0.5, 0.7)
 IMAGE_SCORE = 0.3
+MASKS = ("none", "ground", "predicted")
 
 
 def real_view(real: Path, tmp: Path) -> tuple[Path, list[str]]:
@@ -98,6 +103,16 @@ def train_checkpoint(train_root: str, extra: str, out_dir: Path) -> tuple[str, s
     return run["best_ckpt"], " ".join(["python", *cmd[1:]])
 
 
+def sim_val(ckpt: str | Path) -> dict | None:
+    """{"bev": {easy, moderate, hard}, "3d": ...} Car AP R40 of the training run's own evaluation (simulated val
+    split, its run.json beside the checkpoints folder), or None where there is none."""
+    run_json = Path(ckpt).parent.parent / "run.json"
+    if not run_json.is_file():
+        return None
+    car = (json.loads(run_json.read_text()).get("metrics") or {}).get("Car")
+    return {m: car[m]["R40"] for m in ("bev", "3d")} if car else None
+
+
 def in_real_terms(text: str, view: Path, real: Path) -> str:
     """``text`` (an error message) with the temporary view's paths replaced by the user's real root: the view's
     training/ is a link to ``real``/training, so a file named under it is that file of ``real``."""
@@ -110,22 +125,26 @@ def _fmt(v) -> str:
 
 def markdown(result: dict, argv: list[str]) -> str:
     m = result["meta"]
+    pred = m.get("predicted_checkpoint")
     lines = [
         "# Sim-to-real: trained on the simulator only, evaluated on real KITTI frames (CPU)", "",
         f"`python scripts/bench_sim2real.py {' '.join(argv)}` - {m['machine']}, torch {m['torch']}, "
         f"{m['threads']} threads, allocator {m['env']} (load before {m['load_avg_before']}, after "
         f"{m['load_avg_after']})", "",
-        f"Checkpoint: `{m['checkpoint']}`" + (f", trained by `{m['train_command']}`" if m.get("train_command") else ""),
+        f"Checkpoint: `{m['checkpoint']}`" + (f", trained by `{m['train_command']}`" if m.get("train_command") else "")
+        + (f"; mask=predicted: `{pred}` (a second checkpoint, trained with mask=predicted)" if pred else ""),
         f"Real frames: {m['frames']} of `{m['real']}` ({', '.join(m['frame_ids'])}); scored: {m.get('scope', '-')}",
         "",
+    ]
+    lines += [
         "| mask | Car BEV AP R40 easy | moderate | Car 3D AP R40 easy | moderate | mean sparsity | ms/frame |",
         "|---|---|---|---|---|---|---|",
     ]
-    if m.get("sim_val"):
-        sv = m["sim_val"]
-        cells = [f"{sv[metric][lvl]:.2f}" for metric in ("bev", "3d") for lvl in ("easy", "moderate")]
-        lines.append("| (simulated val split: the training run's evaluation, its own mask) | " + " | ".join(cells)
-                     + " | | |")
+    for label, sv in (("(simulated val split: the training run's evaluation, its own mask)", m.get("sim_val")),
+                      ("(simulated val split of the mask=predicted checkpoint)", m.get("predicted_sim_val"))):
+        if sv:
+            cells = [f"{sv[metric][lvl]:.2f}" for metric in ("bev", "3d") for lvl in ("easy", "moderate")]
+            lines.append(f"| {label} | " + " | ".join(cells) + " | | |")
     for mask in m["masks"]:
         r = result[mask]
         if not r.get("available", True):
@@ -159,16 +178,22 @@ def markdown(result: dict, argv: list[str]) -> str:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv, {"ckpt_path": "", "real": "../shared/kitti_real", "train_root": "data/sim_kitti",
-                             "masks": "none,ground,predicted", "extra": "", "images": 3,
-                             "out": "benchmarks/sim2real_cpu.json", "images_dir": "benchmarks/sim2real"}, __doc__)
+    args = parse_args(argv, {"ckpt_path": "", "predicted_ckpt_path": "", "real": "../shared/kitti_real",
+                             "train_root": "data/sim_kitti", "masks": ",".join(MASKS), "extra": "", "images": 3,
+                             "out": "benchmarks/sim2real_cpu.json",
+                             "images_dir": "benchmarks/sim2real"}, __doc__)
     real = Path(args["real"]) if Path(args["real"]).is_absolute() else REPO / args["real"]
     if not (real / "training" / "velodyne").is_dir():
         raise SystemExit(f"error: {real}: no real KITTI frames there (expected training/velodyne, label_2, calib)")
     masks = [m for m in args["masks"].split(",") if m]
-    bad = [m for m in masks if m not in ("none", "ground", "predicted")]
+    bad = [m for m in masks if m not in MASKS]
     if bad:
         raise SystemExit(f"error: masks={args['masks']}: unknown mask {bad[0]!r} (none, ground, predicted)")
+    pred_ckpt = args["predicted_ckpt_path"]
+    if pred_ckpt and "predicted" not in masks:
+        raise SystemExit(f"error: predicted_ckpt_path={pred_ckpt} but masks={args['masks']} has no predicted")
+    if pred_ckpt and not Path(pred_ckpt).is_file():
+        raise SystemExit(f"error: predicted_ckpt_path={pred_ckpt}: no such checkpoint")
     import platform
 
     import torch
@@ -192,10 +217,14 @@ def main(argv=None) -> int:
         ckpt, meta["train_command"] = train_checkpoint(args["train_root"], args["extra"], run_dir / "train")
         meta["train_wall_s"] = round(time.time() - t0, 1)
     meta["checkpoint"] = str(ckpt)
-    run_json = Path(ckpt).parent.parent / "run.json"  # the training run's own evaluation (simulated val split)
-    if run_json.is_file() and (json.loads(run_json.read_text()).get("metrics") or {}).get("Car"):
-        car = json.loads(run_json.read_text())["metrics"]["Car"]
-        meta["sim_val"] = {m: car[m]["R40"] for m in ("bev", "3d")}
+    if sv := sim_val(ckpt):
+        meta["sim_val"] = sv
+    ckpt_of = {mask: ckpt for mask in masks}
+    if pred_ckpt:
+        ckpt_of["predicted"] = pred_ckpt
+        meta["predicted_checkpoint"] = str(pred_ckpt)
+        if sv := sim_val(pred_ckpt):
+            meta["predicted_sim_val"] = sv
     out = Path(args["out"])
     images_dir = Path(args["images_dir"])
     result: dict = {}
@@ -207,7 +236,8 @@ def main(argv=None) -> int:
                 data_cfg = compose("eval", overrides=["data=kitti", f"data.root={view}", "ckpt_path=unused"]).data
             for mask in masks:
                 try:
-                    metrics = evaluate_checkpoint(ckpt, data_cfg, run_dir / mask, split="real", mask_override=mask)
+                    metrics = evaluate_checkpoint(ckpt_of[mask], data_cfg, run_dir / mask, split="real",
+                                                  mask_override=mask)
                 except ConfigError as e:  # e.g. mask=predicted on a checkpoint without a mask net
                     result[mask] = {"available": False, "reason": str(e)}
                     print(f"mask={mask}: not available: {e}")
@@ -225,8 +255,8 @@ def main(argv=None) -> int:
             for fid in ids[:args["images"]]:
                 for mask in drawn:
                     png = images_dir / f"{fid}_{mask}.png"
-                    code = visualize.main([f"root={view}", f"frame={fid}", f"ckpt_path={ckpt}", f"mask={mask}",
-                                           "mode=bev", f"out={png}", f"score_threshold={IMAGE_SCORE}"])
+                    code = visualize.main([f"root={view}", f"frame={fid}", f"ckpt_path={ckpt_of[mask]}",
+                                           f"mask={mask}", "mode=bev", f"out={png}", f"score_threshold={IMAGE_SCORE}"])
                     if code:
                         return code
                     images.append(str(png))

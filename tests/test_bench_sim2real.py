@@ -87,13 +87,7 @@ def test_recall_counts_a_car_only_above_the_iou(tmp_path):
 def test_predicted_without_a_mask_net_is_not_available(car_root, predicted_ckpt, tmp_path):  # noqa: F811
     """A checkpoint without mask-net weights (as one trained with mask=road_map): mask=predicted is reported as
     not available with the reason; the other masks are evaluated."""
-    from detector.callbacks import load_checkpoint
-
-    ckpt = load_checkpoint(predicted_ckpt)
-    ckpt["state_dict"] = {k: v for k, v in ckpt["state_dict"].items() if ".mask_net." not in k}
-    ckpt["hyper_parameters"]["config"]["mask"] = {"provider": None, "net": None}
-    path = tmp_path / "no_mask_net.ckpt"
-    torch.save(ckpt, path)
+    path = _without_mask_net(predicted_ckpt, tmp_path / "no_mask_net.ckpt")
     out = tmp_path / "sim2real.json"
     assert _script().main([f"ckpt_path={path}", f"real={car_root}", f"out={out}", "images=0",
                            "masks=none,predicted"]) == 0
@@ -125,6 +119,18 @@ def test_bench_trains_a_checkpoint_when_none_is_given(tiny_root, car_root, tmp_p
     assert Path(meta["checkpoint"]).is_file() and "trainer.max_steps=1" in meta["train_command"]
 
 
+def _without_mask_net(ckpt_path, path: Path) -> Path:
+    """``ckpt_path`` without its mask-net weights, as a checkpoint trained with mask=road_map."""
+    from detector.callbacks import load_checkpoint
+
+    ckpt = load_checkpoint(ckpt_path)
+    ckpt["state_dict"] = {k: v for k, v in ckpt["state_dict"].items() if ".mask_net." not in k}
+    ckpt["hyper_parameters"]["config"]["mask"] = {"provider": None, "net": None}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(ckpt, path)
+    return path
+
+
 @pytest.mark.parametrize("broken", ["no calib", "no label_2", "bad calib file"])
 def test_a_bad_real_root_is_named_as_the_user_gave_it(car_root, predicted_ckpt, tmp_path, broken):  # noqa: F811
     """The real frames are read through a temporary view (its training/ links the real one): an error about one
@@ -150,3 +156,26 @@ def test_a_bad_real_root_is_named_as_the_user_gave_it(car_root, predicted_ckpt, 
     assert want in msg, msg
     assert msg.count("/training") == msg.count(str(real / "training"))  # no temporary view left in the line
     assert not (tmp_path / "o.json").exists()
+
+
+def test_predicted_mask_from_a_second_checkpoint(car_root, predicted_ckpt, oracle, tmp_path):  # noqa: F811
+    """ckpt_path without a mask net (as make train's, mask=road_map) and predicted_ckpt_path trained with
+    mask=predicted: one run evaluates all three masks, predicted with the second checkpoint, under their names."""
+    main_ckpt = _without_mask_net(predicted_ckpt, tmp_path / "road" / "checkpoints" / "last.ckpt")
+    out = tmp_path / "sim2real.json"
+    assert _script().main([f"ckpt_path={main_ckpt}", f"predicted_ckpt_path={predicted_ckpt}", f"real={car_root}",
+                           f"out={out}", "images=0"]) == 0
+    res = json.loads(out.read_text())
+    for mask in ("none", "ground", "predicted"):
+        assert res[mask]["Car"]["bev"]["R40"]["moderate"] == 100.0, mask
+    assert res["predicted"]["_run"]["checkpoint"] == str(predicted_ckpt)
+    assert res["none"]["_run"]["checkpoint"] == res["ground"]["_run"]["checkpoint"] == str(main_ckpt)
+    assert res["meta"]["checkpoint"] == str(main_ckpt) and res["meta"]["predicted_checkpoint"] == str(predicted_ckpt)
+    md = out.with_suffix(".md").read_text()
+    assert "| predicted | 100.00 | 100.00 |" in md and f"mask=predicted: `{predicted_ckpt}`" in md
+    with pytest.raises(SystemExit, match="has no predicted"):
+        _script().main([f"ckpt_path={main_ckpt}", f"predicted_ckpt_path={predicted_ckpt}", f"real={car_root}",
+                        "masks=none"])
+    with pytest.raises(SystemExit, match="predicted_ckpt_path=.*missing.ckpt: no such checkpoint"):
+        _script().main([f"ckpt_path={main_ckpt}", f"predicted_ckpt_path={tmp_path / 'missing.ckpt'}",
+                        f"real={car_root}"])
