@@ -2,7 +2,7 @@
 
     python scripts/bench_sim2real.py [ckpt_path=PATH] [predicted_ckpt_path=PATH] [real=../shared/kitti_real]
                                      [train_root=data/sim_kitti] [masks=none,ground,predicted] [extra="..."]
-                                     [images=3]
+                                     [images=3] [baseline=PREVIOUS.json]
                                      [out=benchmarks/sim2real_cpu.json] [images_dir=benchmarks/sim2real]
 
 Without ``ckpt_path`` it first trains one: ``scripts/train.py data.root=TRAIN_ROOT`` (the default config,
@@ -25,7 +25,10 @@ in the camera frame, the metric's distance): 0-20, 20-40, 40+ m and within 40 m.
 
 Writes OUT (``{mask: <metrics.json of that evaluation> + "recall": {...}}`` plus the run's description) and
 a markdown table beside it, and a few bird's-eye-view images (``scripts/visualize.py``'s code: detections
-scored >= 0.3 red, ground truth green, computation mask blue) into ``images_dir``.
+scored >= 0.3 red, ground truth green, computation mask blue) into ``images_dir``. The description holds
+where the issue's moonshot stands (``meta.moonshot``: real Car BEV AP R40 moderate >= 50 and recall at BEV
+IoU 0.5 >= 0.8 within 40 m, with the checkpoint's simulated val >= 90) and, given ``baseline`` (the JSON
+of a previous run), each mask's figures before (the baseline's) and after (this run's) in ``meta.baseline``.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ REPO = Path(__file__).resolve().parents[1]
 BANDS = (("0-20", 0.0, 20.0), ("20-40", 20.0, 40.0), ("40+", 40.0, np.inf), ("within 40", 0.0, 40.0))
 IOUS = (0.5, 0.7)
 IMAGE_SCORE = 0.3
+# Issue 15's goal (a moonshot): on the real frames, with simulated val kept.
+GOAL = {"real_bev_moderate": 50.0, "recall_within_40_0.5": 0.8, "sim_val_bev_moderate": 90.0}
 MASKS = ("none", "ground", "predicted")
 
 
@@ -119,8 +124,88 @@ def in_real_terms(text: str, view: Path, real: Path) -> str:
     return text.replace(str(view / "training"), str(real / "training")).replace(str(view), str(real))
 
 
+def figures(r: dict) -> dict:
+    """The few figures a run is judged by, from one mask's entry of the result."""
+    return {"bev_moderate": r["Car"]["bev"]["R40"]["moderate"], "3d_moderate": r["Car"]["3d"]["R40"]["moderate"],
+            **{f"recall_within_40_{t}": r["recall"]["within 40"][f"recall_bev_{t}"] for t in IOUS}}
+
+
+def _available(result: dict, mask: str) -> bool:
+    return mask in result and result[mask].get("available", True)
+
+
+def moonshot(result: dict, masks: list[str], sim_vals: dict[str, dict | None]) -> dict:
+    """Where issue 15's goal stands per evaluated mask (``sim_vals``: the simulated val of the checkpoint each mask
+    ran with); ``met`` when any mask meets all three parts."""
+    per_mask = {}
+    for mask in masks:
+        if not _available(result, mask):
+            continue
+        f = figures(result[mask])
+        sv = (sim_vals.get(mask) or {}).get("bev", {}).get("moderate")
+        rec = f["recall_within_40_0.5"]
+        per_mask[mask] = {
+            "real_bev_moderate": f["bev_moderate"], "recall_within_40_0.5": rec, "sim_val_bev_moderate": sv,
+            "met": bool(f["bev_moderate"] >= GOAL["real_bev_moderate"] and rec is not None
+                        and rec >= GOAL["recall_within_40_0.5"] and sv is not None
+                        and sv >= GOAL["sim_val_bev_moderate"])}
+    return {"goal": GOAL, "masks": per_mask, "met": any(v["met"] for v in per_mask.values())}
+
+
+def load_baseline(path: str) -> dict:
+    """A previous run's JSON (what ``baseline=`` names); one error line when it is not one."""
+    p = Path(path)
+    try:
+        base = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SystemExit(f"error: baseline={path}: not a readable JSON file ({e.__class__.__name__})") from None
+    if not isinstance(base, dict) or not isinstance(base.get("meta"), dict):
+        raise SystemExit(f"error: baseline={path}: not a bench_sim2real JSON (no meta)")
+    return base
+
+
+def compare_baseline(result: dict, masks: list[str], base: dict, path: str) -> dict:
+    """Per mask evaluated in both runs: {"before": figures of ``base``, "after": figures of ``result``}; masks the
+    baseline did not evaluate (or could not run) are listed in ``missing``."""
+    both, missing = {}, []
+    for mask in masks:
+        if not _available(result, mask):
+            continue
+        if not _available(base, mask):
+            missing.append(mask)
+            continue
+        both[mask] = {"before": figures(base[mask]), "after": figures(result[mask])}
+    bm = base["meta"]
+    return {"path": path, "checkpoint": bm.get("checkpoint"), "predicted_checkpoint": bm.get("predicted_checkpoint"),
+            "frames": bm.get("frames"), "masks": both, "missing": missing}
+
+
 def _fmt(v) -> str:
     return "n/a" if v is None else f"{v:.2f}"
+
+
+def _delta(before, after) -> str:
+    return "n/a" if before is None or after is None else f"{after - before:+.2f}"
+
+
+def _moonshot_line(ms: dict) -> str:
+    g = ms["goal"]
+    head = (f"Moonshot (issue 15: real Car BEV AP R40 moderate >= {g['real_bev_moderate']:.0f} and recall at BEV IoU "
+            f"0.5 >= {g['recall_within_40_0.5']:.2f} within 40 m, simulated val >= {g['sim_val_bev_moderate']:.0f}): ")
+    if not ms["masks"]:
+        return head + "no mask evaluated."
+    parts = []
+    for mask, v in ms["masks"].items():
+        missed = [name for name, ok in (
+            ("AP", v["real_bev_moderate"] >= g["real_bev_moderate"]),
+            ("recall", v["recall_within_40_0.5"] is not None
+             and v["recall_within_40_0.5"] >= g["recall_within_40_0.5"]),
+            ("simulated val", v["sim_val_bev_moderate"] is not None
+             and v["sim_val_bev_moderate"] >= g["sim_val_bev_moderate"])) if not ok]
+        verdict = "met" if not missed else "short of: " + ", ".join(missed)
+        parts.append(f"{mask} {v['real_bev_moderate']:.2f} AP, recall {_fmt(v['recall_within_40_0.5'])}, simulated "
+                     f"val {_fmt(v['sim_val_bev_moderate'])} ({verdict})")
+    return head + ("**met**" if ms["met"] else "**not met**") + " - " + "; ".join(parts) + "."
 
 
 def markdown(result: dict, argv: list[str]) -> str:
@@ -136,6 +221,8 @@ def markdown(result: dict, argv: list[str]) -> str:
         f"Real frames: {m['frames']} of `{m['real']}` ({', '.join(m['frame_ids'])}); scored: {m.get('scope', '-')}",
         "",
     ]
+    if m.get("moonshot"):
+        lines += [_moonshot_line(m["moonshot"]), ""]
     lines += [
         "| mask | Car BEV AP R40 easy | moderate | Car 3D AP R40 easy | moderate | mean sparsity | ms/frame |",
         "|---|---|---|---|---|---|---|",
@@ -164,6 +251,23 @@ def markdown(result: dict, argv: list[str]) -> str:
         cells = [f"{r['recall'][b]['gt']} | {_fmt(r['recall'][b]['recall_bev_0.5'])} | "
                  f"{_fmt(r['recall'][b]['recall_bev_0.7'])}" for b, *_ in BANDS]
         lines.append(f"| {mask} | " + " | ".join(cells) + " |")
+    if m.get("baseline"):
+        b = m["baseline"]
+        lines += ["", f"Before / after: before = `{b['path']}` (checkpoint `{b['checkpoint']}`"
+                  + (f", mask=predicted `{b['predicted_checkpoint']}`" if b.get("predicted_checkpoint") else "")
+                  + f"; {b['frames']} real frames), after = this run.", "",
+                  "| mask | Car BEV AP R40 moderate before | after | change | Car 3D AP R40 moderate before | after "
+                  "| change | recall @0.5 within 40 m before | after | recall @0.7 within 40 m before | after |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for mask, v in b["masks"].items():
+            be, af = v["before"], v["after"]
+            lines.append(f"| {mask} | {_fmt(be['bev_moderate'])} | {_fmt(af['bev_moderate'])} | "
+                         f"{_delta(be['bev_moderate'], af['bev_moderate'])} | {_fmt(be['3d_moderate'])} | "
+                         f"{_fmt(af['3d_moderate'])} | {_delta(be['3d_moderate'], af['3d_moderate'])} | "
+                         f"{_fmt(be['recall_within_40_0.5'])} | {_fmt(af['recall_within_40_0.5'])} | "
+                         f"{_fmt(be['recall_within_40_0.7'])} | {_fmt(af['recall_within_40_0.7'])} |")
+        if b["missing"]:
+            lines.append(f"\nNot in the baseline: {', '.join(b['missing'])}.")
     first = next((result[k] for k in m["masks"] if result[k].get("available", True)), None)
     if first is not None:
         og = first["_run"].get("outside_grid", {"count": 0, "objects": []})
@@ -180,7 +284,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv, {"ckpt_path": "", "predicted_ckpt_path": "", "real": "../shared/kitti_real",
                              "train_root": "data/sim_kitti", "masks": ",".join(MASKS), "extra": "", "images": 3,
-                             "out": "benchmarks/sim2real_cpu.json",
+                             "baseline": "", "out": "benchmarks/sim2real_cpu.json",
                              "images_dir": "benchmarks/sim2real"}, __doc__)
     real = Path(args["real"]) if Path(args["real"]).is_absolute() else REPO / args["real"]
     if not (real / "training" / "velodyne").is_dir():
@@ -194,6 +298,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"error: predicted_ckpt_path={pred_ckpt} but masks={args['masks']} has no predicted")
     if pred_ckpt and not Path(pred_ckpt).is_file():
         raise SystemExit(f"error: predicted_ckpt_path={pred_ckpt}: no such checkpoint")
+    baseline = load_baseline(args["baseline"]) if args["baseline"] else None
     import platform
 
     import torch
@@ -262,6 +367,12 @@ def main(argv=None) -> int:
                     images.append(str(png))
     meta["images"] = images
     meta["out"] = str(out)
+    sim_vals = {mask: meta.get("sim_val") for mask in masks}  # each mask's checkpoint's own simulated val
+    if pred_ckpt:
+        sim_vals["predicted"] = meta.get("predicted_sim_val")
+    meta["moonshot"] = moonshot(result, masks, sim_vals)
+    if baseline is not None:
+        meta["baseline"] = compare_baseline(result, masks, baseline, args["baseline"])
     meta["load_avg_after"] = [round(v, 2) for v in os.getloadavg()]
     result["meta"] = meta
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -179,3 +179,62 @@ def test_predicted_mask_from_a_second_checkpoint(car_root, predicted_ckpt, oracl
     with pytest.raises(SystemExit, match="predicted_ckpt_path=.*missing.ckpt: no such checkpoint"):
         _script().main([f"ckpt_path={main_ckpt}", f"predicted_ckpt_path={tmp_path / 'missing.ckpt'}",
                         f"real={car_root}"])
+
+
+def test_moonshot_status_and_before_after(car_root, predicted_ckpt, oracle, tmp_path):  # noqa: F811
+    """The markdown says where the moonshot stands (from this run's figures and the checkpoint's simulated val)
+    and, with baseline= a previous run's JSON (here the committed one), each mask's figures before and after."""
+    import shutil
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    ckpt = shutil.copy(predicted_ckpt, run / "checkpoints" / "best.ckpt")
+    sv = {"easy": 95.0, "moderate": 91.5, "hard": 90.0}
+    (run / "run.json").write_text(json.dumps({"metrics": {"Car": {"bev": {"R40": sv}, "3d": {"R40": sv}}}}))
+    committed = REPO / "benchmarks" / "sim2real_cpu.json"
+    base = json.loads(committed.read_text())
+    out = tmp_path / "sim2real.json"
+    assert _script().main([f"ckpt_path={ckpt}", f"real={car_root}", f"out={out}", "images=0",
+                           f"baseline={committed}"]) == 0
+    meta = json.loads(out.read_text())["meta"]
+    ms = meta["moonshot"]
+    assert ms["met"] is True and set(ms["masks"]) == {"none", "ground", "predicted"}
+    assert ms["masks"]["none"] == {"real_bev_moderate": 100.0, "recall_within_40_0.5": 1.0,
+                                   "sim_val_bev_moderate": 91.5, "met": True}
+    b = meta["baseline"]
+    assert b["path"] == str(committed) and b["checkpoint"] == base["meta"]["checkpoint"]
+    # The committed run could not evaluate predicted (a road-map checkpoint): no before for it.
+    assert set(b["masks"]) == {"none", "ground"} and b["missing"] == ["predicted"]
+    before = base["none"]["Car"]["bev"]["R40"]["moderate"]
+    assert b["masks"]["none"]["before"]["bev_moderate"] == before
+    assert b["masks"]["none"]["after"] == {"bev_moderate": 100.0, "3d_moderate": 100.0, "recall_within_40_0.5": 1.0,
+                                           "recall_within_40_0.7": 1.0}
+    md = out.with_suffix(".md").read_text()
+    assert "Moonshot (issue 15: real Car BEV AP R40 moderate >= 50" in md and "**met**" in md
+    assert f"| none | {before:.2f} | 100.00 | {100.0 - before:+.2f} |" in md
+    assert "Not in the baseline: predicted." in md
+
+
+def test_moonshot_not_met_says_what_is_short():
+    mod = _script()
+
+    def entry(ap, rec):
+        return {"Car": {"bev": {"R40": {"moderate": ap}}, "3d": {"R40": {"moderate": ap / 2}}},
+                "recall": {"within 40": {"recall_bev_0.5": rec, "recall_bev_0.7": rec}}}
+
+    result = {"none": entry(22.5, 0.92), "ground": entry(60.0, 0.85),
+              "predicted": {"available": False, "reason": "no mask net"}}
+    sv = {"bev": {"moderate": 93.9}}
+    ms = mod.moonshot(result, ["none", "ground", "predicted"], {"none": sv, "ground": None, "predicted": sv})
+    assert ms["met"] is False and set(ms["masks"]) == {"none", "ground"}
+    line = mod._moonshot_line(ms)
+    assert "**not met**" in line and "none 22.50 AP, recall 0.92, simulated val 93.90 (short of: AP)" in line
+    assert "ground 60.00 AP, recall 0.85, simulated val n/a (short of: simulated val)" in line
+
+
+def test_a_bad_baseline_is_refused_before_evaluating(car_root, tmp_path):  # noqa: F811
+    (tmp_path / "b.json").write_text("[1, 2]")
+    for path, why in ((tmp_path / "nope.json", "not a readable JSON file"),
+                      (tmp_path / "b.json", "not a bench_sim2real JSON")):
+        with pytest.raises(SystemExit, match=f"baseline=.*: {why}"):
+            _script().main([f"real={car_root}", "ckpt_path=x.ckpt", f"baseline={path}"])
