@@ -119,3 +119,45 @@ def test_estimate_command_names_the_largest_batch_that_fits():
     assert rows[(1, "train")] <= 2700 < rows[(64, "train")] and best >= 1
     bad = subprocess.run([*cmd[:2], "sparsity=lots"], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert bad.returncode == 1 and bad.stderr.strip().count("\n") == 0 and bad.stderr.startswith("error:")
+
+
+def _estimate_command():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("estimate_memory", REPO / "scripts" / "estimate_memory.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize(("arg", "words"), [
+    ("batches=a", ("batches='a'", "not an integer")),
+    ("batches=1,2.5", ("batches='1,2.5'", "'2.5' is not an integer")),
+    ("batches=0,4", ("batches='0,4'", ">= 1")),
+    ("batches=-2", ("batches='-2'", ">= 1")),
+    ("sparsity=lots", ("sparsity='lots'", "not a number")),
+    ("sparsity=1.5", ("sparsity='1.5'", "[0, 1]")),
+    ("sparsity=0.5,-0.1", ("sparsity='0.5,-0.1'", "[0, 1]")),
+    ("sparsity=nan", ("sparsity='nan'", "[0, 1]")),
+    ("margin=1", ("margin='1'", "[0, 1)")),
+    ("margin=-0.1", ("margin='-0.1'", "[0, 1)")),
+    ("margin=x", ("margin='x'", "not a number")),
+    ("available_mb=0", ("available_mb='0'", "> 0")),
+    ("available_mb=lots", ("available_mb='lots'", "not a number")),
+])
+def test_estimate_command_refuses_a_bad_value_in_one_line_naming_the_key(arg, words, capsys):
+    assert _estimate_command().main([arg]) == 1
+    out = capsys.readouterr()
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {arg.split('=')[0]}="), out.err
+    assert all(w in lines[0] for w in words), lines[0]
+    assert out.out == ""  # refused before the model is built or a row printed
+
+
+def test_estimate_command_accepts_the_edges_of_each_range():
+    parse = _estimate_command().parse_own
+    own = {"batches": "1, 16", "sparsity": "0,1", "available_mb": "auto", "margin": "0"}
+    assert parse(own) == ([1, 16], [1.0, 0.0], None, 0.0)
+    assert parse({**own, "sparsity": "dense", "available_mb": "512", "margin": "0.99"}) == ([1, 16], None, 512.0,
+                                                                                           0.99)
+    assert parse({**own, "sparsity": "0.7"})[1] == pytest.approx(0.3)  # one number: the active share everywhere
