@@ -64,9 +64,14 @@ def decode_kwargs(model_cfg: DictConfig) -> dict[str, Any]:
 
 
 def ensure_dataset(data_cfg: DictConfig) -> None:
-    """Generate the simulated dataset when it is missing and the data config allows it."""
+    """Generate the simulated dataset when it is missing and the data config allows it; warn (one line) when the
+    one there was written by another version of the simulator (:func:`detector.sim.writer.stale_sample`)."""
     root = Path(data_cfg.root)
     if (root / "ImageSets" / f"{data_cfg.train_split}.txt").exists():
+        from detector.sim.writer import stale_sample
+
+        if stale := stale_sample(root):
+            log.warning(stale)
         return
     if not data_cfg.get("generate_if_missing", False):
         raise ConfigError(

@@ -4,6 +4,7 @@ the other cases in-process, where a start-up of torch and open3d does not cost s
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -58,6 +59,62 @@ def test_inspect_dataset_summarizes_a_valid_root(tiny_root, capsys):
     car = next(line for line in out.splitlines() if line.startswith("Car "))
     total, easy, moderate, hard = (int(v) for v in car.split()[1:5])
     assert total > 0 and easy <= moderate <= hard <= total  # cumulative difficulty levels
+
+
+def _with_sim_version(src: Path, dst: Path, version) -> Path:
+    """A copy of the simulated root ``src`` whose sim.json records ``version`` (None: no version, as the
+    simulator wrote before it recorded one)."""
+    shutil.copytree(src, dst)
+    meta = json.loads((dst / "sim.json").read_text())
+    meta.pop("version")
+    if version is not None:
+        meta["version"] = version
+    (dst / "sim.json").write_text(json.dumps(meta))
+    return dst
+
+
+def test_inspect_dataset_warns_about_a_sample_from_an_older_simulator(tiny_root, tmp_path, capsys):
+    from detector.sim.writer import SIM_VERSION
+
+    assert inspect_dataset.main([f"root={tiny_root}"]) == 0
+    assert "warning" not in capsys.readouterr().err  # written by this simulator
+    root = _with_sim_version(tiny_root, tmp_path / "old", None)  # what the simulator before the version wrote
+    assert inspect_dataset.main([f"root={root}"]) == 0  # still a valid dataset: a warning, not an error
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("warning:")
+    assert "an older simulator (version 1;" in err and f"this one is version {SIM_VERSION})" in err
+    assert f"rm -rf {root} && make data DATA={root}" in err
+    # A newer (or unknown) version is not "older": it is a different simulator.
+    for version in (SIM_VERSION + 1, "x"):
+        root = _with_sim_version(tiny_root, tmp_path / f"new{version}", version)
+        assert inspect_dataset.main([f"root={root}"]) == 0
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and f"a different simulator (version {version};" in err and "older" not in err
+
+
+def test_training_on_a_stale_sample_warns_in_one_line(tiny_root, tmp_path, caplog):
+    """ensure_dataset (train's first look at data.root) logs one warning for a sample written by another simulator
+    version and none for this simulator's own or for a root the simulator did not write (no sim.json)."""
+    import logging
+
+    from omegaconf import OmegaConf
+
+    from detector.tasks import ensure_dataset
+
+    def warnings(root: Path, split: str = "train") -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="detector.tasks"):
+            ensure_dataset(OmegaConf.create({"root": str(root), "train_split": split}))
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+    assert warnings(tiny_root) == []
+    old = _with_sim_version(tiny_root, tmp_path / "old", 1)
+    (msg,) = warnings(old)
+    assert "\n" not in msg and f"{old} was written by an older simulator (version 1;" in msg
+    real = tmp_path / "real"  # e.g. real KITTI frames
+    (real / "ImageSets").mkdir(parents=True)
+    (real / "ImageSets" / "train.txt").write_text("000000\n")
+    assert warnings(real) == []
 
 
 def test_inspect_dataset_names_every_bad_file(tiny_root, tmp_path, capsys):

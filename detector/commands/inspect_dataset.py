@@ -18,6 +18,7 @@ from detector.cli import parse_args
 from detector.data.kitti import KittiRoot
 from detector.data.kitti_labels import DIFFICULTY_LEVELS, difficulty
 from detector.errors import KittiFormatError
+from detector.sim.writer import stale_sample
 
 USAGE = __doc__
 
@@ -91,6 +92,9 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(summary)
+    stale = stale_sample(args["root"])
+    if stale:
+        print(f"warning: {stale}", file=sys.stderr)
     if errors:
         print(f"\n{len(errors)} invalid file(s):", file=sys.stderr)
         for e in errors:
