@@ -5,11 +5,14 @@
 
 The CPU training config's model (configs/model/sparse.yaml with fixed 16-px tiles, Adam) on real train frames of
 ``root``; the computation mask is replaced by a random mask of 16-px tiles with ``1 - sparsity`` of them active
-(``dense``: mask=none, the dense network). measured: the bytes of the tensors alive before the step (parameters,
-buffers, optimizer state, the batch) plus the peak of the CPU allocator's events during it (torch.profiler memory
-events; not RSS), for one training step (forward, loss, backward, optimizer step) after a warm-up step, or one
-inference forward (no grad). estimate: :func:`detector.memory.estimate` from the shapes and the mask's active
-blocks per chain (no layer runs). Rows whose estimate exceeds ``limit_mb`` are not measured (marked).
+(``dense``: mask=none, the dense network). So ``sparsity`` here is the inactive tile share at stride 1 only: the
+deeper stages' shares are those of the same mask's real blocks at their strides (coarser tiles, fewer of them
+inactive); scripts/estimate_memory.py's ``sparsity=`` is the inactive share at every stage. measured: the bytes of
+the tensors alive before the step (parameters, buffers, optimizer state, the batch) plus the peak of the CPU
+allocator's events during it (torch.profiler memory events; not RSS), for one training step (forward, loss,
+backward, optimizer step) after a warm-up step, or one inference forward (no grad). estimate:
+:func:`detector.memory.estimate` from the shapes and the mask's active blocks per chain (no layer runs). Rows whose
+estimate exceeds ``limit_mb`` are not measured (marked).
 ``merge=true`` keeps the rows of ``out``.json that this run does not redo (same bev, batch, sparsity, mode) and
 adds this command to the recorded ones: a table measured in several runs (a shared machine) stays one file.
 ``note=TEXT`` is recorded with the run (why rows were left unmeasured, the machine's state).
@@ -121,9 +124,11 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     lines = ["# Peak memory: estimate (detector/memory.py, from shapes) vs measured (CPU allocator events)", "",
              f"{meta.get('cpu')}, {meta['threads']} threads, torch {meta['torch']}, allocator {meta['allocator']}. "
              "CPU training config (configs/model/sparse.yaml), fixed 16-px tiles, Adam, fp32, real sim frames; "
-             "sparsity = share of 16-px tiles inactive at stride 1 (random tiles); train = forward + loss + backward + "
-             "optimizer step after a warm-up step; measured = tensors alive before + peak of torch.profiler's CPU "
-             "allocator events (not RSS). Runs (merged; load average at their start and end):", ""]
+             "sparsity = share of 16-px tiles inactive at stride 1 (random tiles); the deeper stages' shares are "
+             "those of the same mask's real blocks at their strides (coarser tiles: fewer inactive), unlike "
+             "scripts/estimate_memory.py's sparsity=, the inactive share at every stage; train = forward + loss + "
+             "backward + optimizer step after a warm-up step; measured = tensors alive before + peak of "
+             "torch.profiler's CPU allocator events (not RSS). Runs (merged; load average at their start and end):", ""]
     lines += [f"- `{c}`" for c in meta.get("commands", [])]
     lines += ["", *meta.get("notes", [])] if meta.get("notes") else []
     lines += ["", f"{len(measured)} measured rows; |error| <= 10 % in {within}"
