@@ -2,6 +2,7 @@
 
     python scripts/bench_memory.py [bevs=small,kitti] [batches=1,2,4,8,16] [sparsities=dense,0.5,0.7,0.9]
                                    [modes=train,infer] [limit_mb=6000] [root=data/sim_kitti] [out=benchmarks/memory_cpu]
+                                   [merge=false] [note=TEXT] [render_only=false]
 
 The CPU training config's model (configs/model/sparse.yaml with fixed 16-px tiles, Adam) on real train frames of
 ``root``; the computation mask is replaced by a random mask of 16-px tiles with ``1 - sparsity`` of them active
@@ -16,6 +17,7 @@ estimate exceeds ``limit_mb`` are not measured (marked).
 ``merge=true`` keeps the rows of ``out``.json that this run does not redo (same bev, batch, sparsity, mode) and
 adds this command to the recorded ones: a table measured in several runs (a shared machine) stays one file.
 ``note=TEXT`` is recorded with the run (why rows were left unmeasured, the machine's state).
+``render_only=true`` measures nothing: it rewrites ``out``.md from ``out``.json (after editing its notes by hand).
 """
 
 from __future__ import annotations
@@ -144,13 +146,27 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    args = parse_args(None, {"bevs": "small,kitti", "batches": "1,2,4,8,16", "sparsities": "dense,0.5,0.7,0.9",
+def render(out: Path) -> None:
+    """Rewrite ``out``.md from ``out``.json (no measurement)."""
+    data = json.loads(out.with_suffix(".json").read_text())
+    out.with_suffix(".md").write_text(markdown(data["meta"], data["rows"]))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv, {"bevs": "small,kitti", "batches": "1,2,4,8,16", "sparsities": "dense,0.5,0.7,0.9",
                              "modes": "train,infer", "limit_mb": 6000.0, "root": "data/sim_kitti",
-                             "out": "benchmarks/memory_cpu", "merge": False, "note": ""},
+                             "out": "benchmarks/memory_cpu", "merge": False, "note": "",
+                             "render_only": False},
                       __doc__)
+    argv = sys.argv[1:] if argv is None else list(argv)
     out = Path(args["out"])
-    command = " ".join(["python scripts/bench_memory.py", *(a for a in sys.argv[1:] if not a.startswith("note="))])
+    if args["render_only"]:
+        if not out.with_suffix(".json").is_file():
+            raise SystemExit(f"error: render_only=true: {out.with_suffix('.json')} does not exist")
+        render(out)
+        print(f"wrote {out}.md from {out}.json")
+        return
+    command = " ".join(["python scripts/bench_memory.py", *(a for a in argv if not a.startswith("note="))])
     load_start = os.getloadavg()[0]
     rows = []
     for bev in args["bevs"].split(","):

@@ -4,6 +4,7 @@ for a batch that cannot fit, and data.batch_size=auto's predicted-vs-measured li
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -121,13 +122,17 @@ def test_estimate_command_names_the_largest_batch_that_fits():
     assert bad.returncode == 1 and bad.stderr.strip().count("\n") == 0 and bad.stderr.startswith("error:")
 
 
-def _estimate_command():
+def _script_module(name: str):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("estimate_memory", REPO / "scripts" / "estimate_memory.py")
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _estimate_command():
+    return _script_module("estimate_memory")
 
 
 @pytest.mark.parametrize(("arg", "words"), [
@@ -161,3 +166,27 @@ def test_estimate_command_accepts_the_edges_of_each_range():
     assert parse({**own, "sparsity": "dense", "available_mb": "512", "margin": "0.99"}) == ([1, 16], None, 512.0,
                                                                                            0.99)
     assert parse({**own, "sparsity": "0.7"})[1] == pytest.approx(0.3)  # one number: the active share everywhere
+
+
+def test_bench_memory_render_only_rewrites_the_markdown_from_the_json(tmp_path, capsys):
+    meta = {"cpu": "Some CPU", "torch": "2.x", "threads": 2, "allocator": {},
+            "commands": ["python scripts/bench_memory.py"], "notes": ["a note edited by hand"]}
+    rows = [{"bev": "small", "batch": 1, "sparsity": "0.5", "mode": "train", "estimate_mb": 10.0, "measured_mb": 11.0,
+             "error_pct": -9.1},
+            {"bev": "kitti", "batch": 16, "sparsity": "dense", "mode": "train", "estimate_mb": 9000.0,
+             "measured_mb": None, "note": "not measured: estimate above limit_mb=3500.0"}]
+    out = tmp_path / "memory"
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}))
+    before = out.with_suffix(".json").read_text()
+    _script_module("bench_memory").main([f"out={out}", "render_only=true"])
+    md = out.with_suffix(".md").read_text()
+    assert out.with_suffix(".json").read_text() == before  # nothing measured, the JSON untouched
+    assert "a note edited by hand" in md and "- `python scripts/bench_memory.py`" in md
+    assert "| small | 1 | 0.5 | train | 10.0 | 11.0 | -9.1 |" in md
+    assert "| kitti | 16 | dense | train | 9000.0 | - | not measured" in md
+    assert "1 measured rows; |error| <= 10 % in 1" in md
+    # what sparsity means in this table, and that estimate_memory's is another thing
+    assert "inactive at stride 1" in md and "deeper stages' shares are those of the same mask's real blocks" in md
+    assert "estimate_memory.py's sparsity=, the inactive share at every stage" in md
+    with pytest.raises(SystemExit, match="error: render_only=true: .*does not exist"):
+        _script_module("bench_memory").main([f"out={tmp_path / 'none'}", "render_only=true"])
