@@ -7,7 +7,9 @@ plan frozen at export (``block_size=auto`` is planned once on the example input)
 number of active blocks are dynamic; the BEV grid is fixed. Decoding (top-k, NMS) stays in Python.
 
 - ``.pt2``: :func:`export_program`; ``torch.export.load`` loads it after ``import detector`` (which loads the
-  built sbnet kernels: the program calls ``torch.ops.sbnet.*``); :func:`load_program` builds them first if needed.
+  built sbnet kernels: the program calls ``torch.ops.sbnet.*``; run ``make kernels`` first, or torch's loader
+  fails with an opaque "error when deserializing"); :func:`load_program` builds them first if needed and, when
+  they cannot be loaded, says so in one line naming the file and ``make kernels``.
 - ONNX: :func:`export_onnx` converts the program with :mod:`detector.ops.onnx`'s translations of the sbnet
   ops into standard operators (stock onnxruntime runs it; ``pip install .[export]``).
 
@@ -17,18 +19,21 @@ Mask sources: ``input`` (a data-side mask: road map, ground), ``net`` (the mask 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import re
+import zipfile
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from detector.errors import ConfigError
+from detector.errors import CheckpointError, ConfigError
 from detector.models.detector import BevDetector, DetectorOutput, masks_at_strides
 from detector.nn.plan import AUTO
 
 __all__ = ["DeployNet", "mask_source", "example_inputs", "freeze_modes", "export_program", "compile_net",
-           "graph_breaks", "load_program", "export_onnx", "OnnxRunner", "program_forward"]
+           "graph_breaks", "load_program", "program_sbnet_ops", "missing_sbnet_ops", "export_onnx", "OnnxRunner",
+           "program_forward"]
 
 SOURCES = ("input", "net", "none")
 
@@ -137,9 +142,45 @@ def graph_breaks(net: nn.Module, *inputs: torch.Tensor) -> tuple[int, int, list[
     return ex.graph_count, ex.graph_break_count, [b.reason for b in ex.break_reasons]
 
 
+def program_sbnet_ops(path: str | Path) -> set[str]:
+    """The sbnet ops (``torch.ops.sbnet.<name>``) that a saved ``.pt2`` program calls, read from the serialized
+    graphs in its archive (nothing is deserialized)."""
+    names: set[str] = set()
+    with zipfile.ZipFile(path) as archive:
+        for entry in archive.namelist():
+            if entry.endswith(".json"):
+                names.update(m.decode() for m in re.findall(rb'"torch\.ops\.sbnet\.(\w+)\.', archive.read(entry)))
+    return names
+
+
+def missing_sbnet_ops(names: Iterable[str]) -> list[str]:
+    """Those of ``names`` that are not registered as ``torch.ops.sbnet.<name>`` in this process (the kernels'
+    library, which defines their schemas, is not loaded)."""
+    return sorted(n for n in set(names) if not hasattr(torch.ops.sbnet, n))
+
+
 def load_program(path: str | Path) -> torch.export.ExportedProgram:
-    """A saved ``.pt2`` program (the sbnet kernels are loaded first: the program calls them)."""
-    _kernels()
+    """A saved ``.pt2`` program. The sbnet ops it calls are checked first (the kernels are built and loaded if
+    needed): without them torch's loader fails with an opaque "error when deserializing"; here a
+    :class:`~detector.errors.CheckpointError` names the file, the missing ops and the fix (``make kernels``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such .pt2 program")
+    try:
+        needed = program_sbnet_ops(path)
+    except zipfile.BadZipFile:
+        raise CheckpointError(f"{path}: not a .pt2 program (torch.export.save writes a zip archive)") from None
+    if needed and missing_sbnet_ops(needed):
+        from detector.ops import _library
+
+        _library.load()
+        missing = missing_sbnet_ops(needed)
+        if missing:
+            reason = _library.unavailable_reason("cpu")
+            raise CheckpointError(
+                f"{path}: the program calls sbnet ops that are not registered ({', '.join(missing)}"
+                + (f"; {reason}" if reason else "") + "): run `make kernels` first, then load it again "
+                "(`import detector` loads the built kernels)")
     return torch.export.load(str(path))
 
 

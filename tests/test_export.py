@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from detector.commands.export import main as export_main
+from detector.errors import CheckpointError
 from detector.export import (
     DeployNet,
     OnnxRunner,
@@ -21,6 +22,8 @@ from detector.export import (
     freeze_modes,
     graph_breaks,
     load_program,
+    missing_sbnet_ops,
+    program_sbnet_ops,
 )
 from detector.ops import calc_block_params, reduce_mask
 from detector.ops.reference import reduce_mask as reference_reduce_mask
@@ -257,3 +260,41 @@ def test_evaluate_backends_give_the_eager_table(tiny_ckpt, tiny_root, tmp_path):
         files = sorted((tmp_path / "eager" / "data").iterdir())
         assert files and [f.read_text() for f in files] == [
             (tmp_path / backend / "data" / f.name).read_text() for f in files]
+
+
+# a fresh interpreter whose sbnet ops are not registered (DETECTOR_NO_KERNELS: as if the kernels were never built)
+_LOAD_WITHOUT_KERNELS = """
+import sys, torch
+from detector.errors import one_line
+from detector.export import load_program
+assert not hasattr(torch.ops.sbnet, "reduce_mask")
+try:
+    load_program(sys.argv[1])
+except Exception as e:
+    print(type(e).__name__, one_line(e))
+"""
+
+
+def test_load_program_without_the_kernels_names_the_file_and_make_kernels(tmp_path):
+    bp = calc_block_params(32, 32, bsize=16, ksize=3, stride=1, padding=1)
+    program = torch.export.export(_ReduceMask(bp, 0.5, False), (torch.ones(2, 1, 32, 32),))
+    path = tmp_path / "reduce_mask.pt2"
+    torch.export.save(program, str(path))
+    assert program_sbnet_ops(path) == {"reduce_mask"}  # read from the archive's graph, nothing deserialized
+    assert missing_sbnet_ops({"reduce_mask", "no_such_op"}) == ["no_such_op"]  # registered here: kernels built
+    dense = tmp_path / "dense.pt2"
+    torch.export.save(torch.export.export(torch.nn.Conv2d(1, 1, 3), (torch.ones(1, 1, 8, 8),)), str(dense))
+    assert program_sbnet_ops(dense) == set()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), DETECTOR_NO_KERNELS="1")
+    res = subprocess.run([sys.executable, "-c", _LOAD_WITHOUT_KERNELS, str(path)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    line = res.stdout.strip()
+    assert line.count("\n") == 0 and line.startswith(f"CheckpointError error: {path}: "), line
+    assert "reduce_mask" in line and "run `make kernels` first" in line and "deserializ" not in line
+    # not a program at all, or no file: one line too
+    (tmp_path / "junk.pt2").write_text("not a zip")
+    with pytest.raises(CheckpointError, match="junk.pt2: not a .pt2 program"):
+        load_program(tmp_path / "junk.pt2")
+    with pytest.raises(FileNotFoundError, match="none.pt2: no such .pt2 program"):
+        load_program(tmp_path / "none.pt2")

@@ -5,13 +5,14 @@
     (or: python scripts/export.py ...)
 
 format=torch: a torch.export program (.pt2) with the sbnet ops in the graph, dynamic batch and number of active
-blocks; load it with torch.export.load(PATH) after import detector (which loads the built kernels), or
-detector.export.load_program(PATH) (builds the kernels first if needed). format=onnx: an ONNX model stock
-onnxruntime runs (the sbnet ops in standard operators; pip install .[export]). mask: where the computation mask
-comes from - the checkpoint's choice by default (input: a data mask is an input; net: the mask network is
-inside; none: dense). An ``auto`` execution plan is frozen on the example input (batch frames, about `active`
-share of 16-px tiles active); check=true compares the export with the eager model on that input. Exit status 1
-with one message on bad input.
+blocks; load it with torch.export.load(PATH) after import detector (which loads the built kernels: run
+`make kernels` first, or torch's loader fails with an opaque "error when deserializing"), or
+detector.export.load_program(PATH) (builds the kernels first if needed; when they cannot be loaded, one line naming
+the file and `make kernels`). format=onnx: an ONNX model stock onnxruntime runs (the sbnet ops in standard
+operators; pip install .[export]). mask: where the computation mask comes from - the checkpoint's choice by default
+(input: a data mask is an input; net: the mask network is inside; none: dense). An ``auto`` execution plan is frozen
+on the example input (batch frames, about `active` share of 16-px tiles active); check=true compares the export with
+the eager model on that input. Exit status 1 with one message on bad input.
 """
 
 from __future__ import annotations
