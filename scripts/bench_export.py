@@ -12,6 +12,8 @@ graph; inductor's layout optimization off for the sparse network, see compile_ne
 program (``ExportedProgram.module()``) and the ONNX model on onnxruntime's CPU provider (the sbnet ops in
 standard operators). Time = network only (BEV tensor + mask -> heatmap + regression): median over ``reps``
 passes over the frames, after two warm-up passes. Outputs are checked against eager (max abs difference).
+The sparse network's torch._dynamo graphs and graph breaks per bev (``torch._dynamo.explain`` on the first frame:
+traced, not compiled; :func:`detector.export.graph_breaks`) go in the metadata (``graph_breaks``).
 Writes ``out``.json and ``out``.md with the CPU model, threads and the allocator settings (use the Makefile's
 ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=4000000000``).
 """
@@ -28,7 +30,15 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from detector.cli import parse_args
-from detector.export import DeployNet, OnnxRunner, compile_net, export_onnx, export_program, freeze_modes
+from detector.export import (
+    DeployNet,
+    OnnxRunner,
+    compile_net,
+    export_onnx,
+    export_program,
+    freeze_modes,
+    graph_breaks,
+)
 from detector.machine import cpu_model
 from detector.tasks import build_datamodule, build_grid, build_model
 
@@ -68,13 +78,27 @@ def timed(fn, inputs, reps: int) -> float:
     return 1000 * runs[len(runs) // 2]
 
 
-def bench(bev: str, args: dict, tmp: Path) -> list[dict]:
+def graph_break_record(net: torch.nn.Module, *inputs: torch.Tensor) -> dict:
+    """``torch._dynamo.explain`` of ``net`` on ``inputs`` (traced as torch.compile would, nothing compiled): the
+    number of graphs, of graph breaks and the first breaks' reasons; or the error if tracing fails."""
+    try:
+        graphs, breaks, reasons = graph_breaks(net, *inputs)
+    except Exception as e:  # noqa: BLE001 - reported in the metadata, as a failing backend is in its row
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+    return {"graphs": graphs, "graph_breaks": breaks, "reasons": [str(r)[:200] for r in reasons[:5]]}
+
+
+def bench(bev: str, args: dict, tmp: Path, meta: dict | None = None) -> list[dict]:
+    """The rows of ``bev``; the sparse network's graph breaks go in ``meta["graph_breaks"][bev]``."""
     model, data = frames(bev, args["root"], int(args["frames"]), args["block_size"])
     rows = []
     for variant in ("sparse", "dense"):
         source = "input" if variant == "sparse" else "none"
         modes = freeze_modes(model, *data[0]) if variant == "sparse" else None
         net = DeployNet(model, source, modes)
+        if variant == "sparse" and meta is not None:
+            meta.setdefault("graph_breaks", {})[bev] = graph_break_record(net, *data[0])
+            print(json.dumps({"bev": bev, "graph_breaks": meta["graph_breaks"][bev]}), flush=True)
         inputs = [x if variant == "sparse" else x[:1] for x in data]
         with torch.no_grad():
             refs = [net(*x) for x in inputs]
@@ -104,6 +128,13 @@ def bench(bev: str, args: dict, tmp: Path) -> list[dict]:
     return rows
 
 
+def _breaks_text(g: dict) -> str:
+    if "error" in g:
+        return f"not traced ({g['error'][:120]})"
+    text = f"{g['graph_breaks']} ({g['graphs']} graph{'' if g['graphs'] == 1 else 's'})"
+    return text + (f": {', '.join(g['reasons'])}" if g.get("reasons") else "")
+
+
 def write(out: Path, meta: dict, rows: list[dict]) -> None:
     meta = dict(meta, loadavg_end=os.getloadavg())  # a shared machine: other work there slows every row
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
@@ -114,8 +145,12 @@ def write(out: Path, meta: dict, rows: list[dict]) -> None:
              f"block_size={meta['block_size']}` - batch 1, median of {meta['reps']} passes over {meta['frames']} "
              "val frames (road-map masks); ms/frame of the network (BEV + mask -> heatmap + regression); compile = "
              "inductor via detector.export.compile_net (layout optimization off for the sparse network); prepare s "
-             "includes the first call (compiling).", "",
-             "| bev | variant | backend | ms/frame | max abs diff vs eager | prepare s |", "|---|---|---|---|---|---|"]
+             "includes the first call (compiling).", ""]
+    if meta.get("graph_breaks"):
+        lines += ["torch._dynamo graph breaks of the sparse network (torch._dynamo.explain on the first frame, "
+                  "traced, not compiled): " + "; ".join(f"{bev} {_breaks_text(g)}"
+                                                        for bev, g in meta["graph_breaks"].items()) + ".", ""]
+    lines += ["| bev | variant | backend | ms/frame | max abs diff vs eager | prepare s |", "|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['bev']} | {r['variant']} | {r['backend']} | failed: {r['error'][:120]} | | |")
@@ -146,7 +181,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for bev in args["bevs"].split(","):
-            rows += bench(bev, args, Path(tmp))
+            rows += bench(bev, args, Path(tmp), meta)
             write(out, meta, rows)  # after each grid: a run cut short keeps what it measured
     print(f"wrote {out}.json and {out}.md")
 
