@@ -574,6 +574,10 @@ def test_points_in_boxes_sparse_equals_dense():
     for j in range(len(frame.gt_boxes)):
         np.testing.assert_array_equal(sparse[j], np.flatnonzero(dense[:, j]))
     assert points_in_boxes_sparse(pts, Boxes3D.empty()) == []
+    # Boxes3D.contains: the same test for chosen (point, box) pairs, bit for bit
+    rng = np.random.default_rng(0)
+    box = rng.integers(0, len(frame.gt_boxes), len(pts))
+    np.testing.assert_array_equal(frame.gt_boxes.contains(pts, box).numpy(), dense[np.arange(len(pts)), box])
 
 
 @pytest.mark.parametrize("convert", [None, "object"])

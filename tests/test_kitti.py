@@ -156,6 +156,23 @@ def test_calibration_transforms(calib, tmp_path):
         np.testing.assert_allclose(getattr(c2, k), getattr(calib, k), rtol=1e-12, atol=1e-15)  # KITTI writes %.12e
 
 
+def test_calibration_transforms_are_the_matrix_products(calib):
+    """The transforms are R0_rect · Tr_velo_to_cam and P2 applied to [x, y, z, 1], whatever the input's dtype
+    and strides (the data loader passes the xyz columns of a float32 [N, 4] cloud)."""
+    rng = np.random.default_rng(1)
+    cloud = rng.uniform(-60, 60, size=(1000, 4)).astype(np.float32)
+    xyz1 = np.column_stack([cloud[:, :3].astype(np.float64), np.ones(len(cloud))])
+    velo_to_cam = np.vstack([calib.Tr_velo_to_cam, [0, 0, 0, 1]])
+    rect = (calib.R0_rect @ velo_to_cam[:3]) @ xyz1.T
+    np.testing.assert_allclose(calib.lidar_to_rect(cloud[:, :3]), rect.T, rtol=1e-12, atol=1e-9)
+    h = calib.P2 @ np.vstack([rect, np.ones(len(cloud))])
+    uv, depth = calib.lidar_to_image(cloud[:, :3])
+    np.testing.assert_allclose(depth, h[2], rtol=1e-12, atol=1e-9)
+    front = h[2] > 1.0
+    np.testing.assert_allclose(uv[front], (h[:2] / h[2]).T[front], rtol=1e-10)
+    np.testing.assert_allclose(calib.rect_to_lidar(rect.T), cloud[:, :3], atol=1e-5)
+
+
 def test_calibration_missing_matrix(tmp_path, calib):
     calib.to_file(tmp_path / "c.txt")
     lines = (tmp_path / "c.txt").read_text().splitlines()

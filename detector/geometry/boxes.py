@@ -117,12 +117,15 @@ class Boxes3D:
         """[M, N] bool: point m lies inside (or on the surface of) box n, enlarged by ``margin`` metres."""
         p = torch.as_tensor(points)[:, :3].to(self.tensor)
         t = self.tensor
-        d = p[:, None, :] - t[None, :, 0:3]  # [M, N, 3]
+        return _inside(p[:, None, :] - t[None, :, 0:3], torch.cos(t[:, 6]), torch.sin(t[:, 6]), t[:, 3:6] / 2 + margin)
+
+    def contains(self, points: torch.Tensor | np.ndarray, box: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """[M] bool: point m lies inside box ``box[m]`` - :meth:`points_in_boxes` (margin 0) for these pairs
+        only, with the same arithmetic, so the same answers bit for bit."""
+        p = torch.as_tensor(points)[:, :3].to(self.tensor)
+        t, box = self.tensor, torch.as_tensor(box, dtype=torch.long)
         c, s = torch.cos(t[:, 6]), torch.sin(t[:, 6])
-        lx = d[..., 0] * c + d[..., 1] * s
-        ly = -d[..., 0] * s + d[..., 1] * c
-        half = t[:, 3:6] / 2 + margin
-        return (lx.abs() <= half[:, 0]) & (ly.abs() <= half[:, 1]) & (d[..., 2].abs() <= half[:, 2])
+        return _inside(p - t[box, 0:3], c[box], s[box], (t[:, 3:6] / 2)[box])
 
     # --- rigid transforms (for augmentation) ------------------------------------------------------
     def rotate_z(self, angle: float) -> Boxes3D:
@@ -152,6 +155,14 @@ class Boxes3D:
         return Boxes3D(t)
 
 
+def _inside(d: torch.Tensor, c: torch.Tensor, s: torch.Tensor, half: torch.Tensor) -> torch.Tensor:
+    """The inside test on offsets ``d`` [..., 3] from box centres, the boxes' cos / sin of yaw [...] and half
+    sizes [..., 3] (broadcast): within the half length and width in the box's own axes, and the half height."""
+    lx = d[..., 0] * c + d[..., 1] * s
+    ly = -d[..., 0] * s + d[..., 1] * c
+    return (lx.abs() <= half[..., 0]) & (ly.abs() <= half[..., 1]) & (d[..., 2].abs() <= half[..., 2])
+
+
 def points_in_boxes_sparse(points: np.ndarray, boxes: Boxes3D) -> list[np.ndarray]:
     """Per box, the sorted indices of the ``points`` [M, >=3] inside it, with exactly the semantics (and
     arithmetic) of ``Boxes3D.points_in_boxes`` (margin 0), without the dense [M, N] test: each box only
@@ -164,12 +175,12 @@ def points_in_boxes_sparse(points: np.ndarray, boxes: Boxes3D) -> list[np.ndarra
     corners = boxes.bev_corners().detach().cpu().double().numpy()  # [N, 4, 2]
     pad = 1e-3  # beyond any float32 rounding of the exact test
     lo, hi = corners.min(axis=1) - pad, corners.max(axis=1) + pad
-    out = []
+    cands = []
     for j in range(n):
         cand = order[np.searchsorted(xs, lo[j, 0], "left"): np.searchsorted(xs, hi[j, 0], "right")]
         y = points[cand, 1]
-        cand = cand[(y >= lo[j, 1]) & (y <= hi[j, 1])]
-        if len(cand):
-            cand = cand[boxes[j].points_in_boxes(points[cand]).numpy()[:, 0]]
-        out.append(np.sort(cand))
-    return out
+        cands.append(cand[(y >= lo[j, 1]) & (y <= hi[j, 1])])
+    sizes = [len(c) for c in cands]
+    flat = np.concatenate(cands)
+    inside = boxes.contains(points[flat], np.repeat(np.arange(n), sizes)).numpy()  # one test for all boxes
+    return [np.sort(c[k]) for c, k in zip(cands, np.split(inside, np.cumsum(sizes)[:-1]), strict=True)]
