@@ -178,6 +178,34 @@ def test_predicted_mask_path_trains():
             assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().max() > 0, name
 
 
+def test_object_mask_covers_the_detected_classes_only():
+    """The mask net's target and the training mask's ground-truth part are the cells of the boxes of the
+    classes the detector finds (here Car), enlarged by mask_dilation_m: a Pedestrian and a Van are left out
+    (GT sampling pastes such objects too, and computing for them only costs tiles)."""
+    from detector.data.kitti_calib import Calibration  # noqa: F401  (Frame's calib type)
+    from detector.data.structures import Frame
+    from tests.conftest import make_calib
+
+    boxes = _boxes()[:4]  # Car, Car, Pedestrian, Van
+    frame = Frame("000000", np.zeros((0, 4), np.float32), make_calib(), boxes, NAMES[:4].copy())
+    batch = collate_frames([frame])
+    model = _model(mask_net=MaskNet(GRID.C, downsample=4, channels=8, num_convs=2))
+    model.mask_dilation_m = 0.0
+    mask = model.object_mask(batch, downsample=1)[0, 0]
+
+    def cell(x, y):  # the grid cell holding the point (x, y)
+        return int((y - GRID.y_range[0]) / GRID.resolution), int((x - GRID.x_range[0]) / GRID.resolution)
+
+    assert mask[cell(8.0, 2.0)] == 1 and mask[cell(18.0, -5.0)] == 1  # the Cars' centres
+    assert mask[cell(12.0, 8.0)] == 0  # the Pedestrian's centre
+    assert mask[cell(9.0 + 2.3 * math.cos(0.4), 5.5 + 2.3 * math.sin(0.4))] == 0  # in the Van, outside the Cars
+    # a Car's cells: its 4.0 x 1.7 m rectangle holds about 4.0 * 1.7 / 0.2^2 = 170 cells (the two Cars, no more)
+    assert 2 * 150 < int(mask.sum()) < 2 * 190
+    model.mask_dilation_m = 1.0  # enlarged by 1 m on every side: (4 + 2) x (1.7 + 2) m per Car
+    grown = model.object_mask(batch, downsample=1)[0, 0]
+    assert 2 * 500 < int(grown.sum()) < 2 * 610 and bool((grown >= mask).all())
+
+
 @pytest.fixture(scope="module")
 def sim_frame():
     from detector.data.kitti_camera import labels_to_boxes

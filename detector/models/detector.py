@@ -27,6 +27,7 @@ from detector.geometry.voxelize import BevGrid, voxelize
 from detector.models.head import DetectionHead
 from detector.models.losses import LossTerms, detection_loss, mask_loss
 from detector.models.mask_net import MaskNet
+from detector.models.mask_quality import class_boxes
 from detector.models.targets import BoxCoder
 from detector.nn.chain import SparseConvChain
 from detector.nn.plan import AUTO, DENSE, Plan, check_setting, measure
@@ -164,7 +165,7 @@ class BevDetector(nn.Module):
             mask_logits = self.mask_net(bev)
             mask = self.mask_net.computation_mask(mask_logits, bev.shape[-2:])
             if self.training and self.train_mask_source != "predicted":
-                gt = boxes_mask(batch.gt_boxes, self.grid, self.mask_dilation_m, downsample=1).to(bev)
+                gt = self.object_mask(batch, downsample=1).to(bev)
                 mask = gt if self.train_mask_source == "gt" else torch.maximum(mask, gt)
         elif self.use_data_mask and batch.mask is not None:
             mask = batch.mask.to(bev)
@@ -223,6 +224,16 @@ class BevDetector(nn.Module):
         return list(plan.choices), plan
 
     # --- training -----------------------------------------------------------------------------------
+    def object_mask(self, batch: Batch, downsample: int) -> torch.Tensor:
+        """[B, 1, H/d, W/d]: the cells of the boxes of the classes this detector finds, enlarged by
+        ``mask_dilation_m`` - the mask net's target and, in training, the ground-truth part of the computation
+        mask. Other labeled objects (vans, pedestrians for a Car detector, and those GT sampling pastes) are
+        not computed for: with the default augmentation they more than double the objects per frame and the
+        active tiles (make train's sample: 21 objects per frame, of them 8.5 Cars; 16-px tiles active at
+        strides 1/2/4 with 1 m: all classes 0.34/0.50/0.78, Cars 0.25/0.39/0.69)."""
+        boxes = class_boxes(batch.gt_boxes, batch.gt_names, self.coder.classes)
+        return boxes_mask(boxes, self.grid, self.mask_dilation_m, downsample=downsample)
+
     def loss(self, out: DetectorOutput, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         targets = self.coder.encode(batch.gt_boxes, batch.gt_names, self.out_grid)
         terms: LossTerms = detection_loss(out.heatmap, out.regression, targets)
@@ -230,7 +241,7 @@ class BevDetector(nn.Module):
         logs = {"loss/cls": terms.cls.detach(), "loss/reg": terms.reg.detach()}
         if out.mask_logits is not None:
             d = self.mask_net.downsample
-            target = boxes_mask(batch.gt_boxes, self.grid, self.mask_dilation_m, downsample=d).to(out.mask_logits)
+            target = self.object_mask(batch, downsample=d).to(out.mask_logits)
             ml = mask_loss(out.mask_logits, target, self.mask_loss_kind)
             total = total + self.mask_loss_weight * ml
             logs["loss/mask"] = ml.detach()
