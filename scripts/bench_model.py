@@ -77,9 +77,8 @@ def compose_cfg(args: dict, mask: str):
 
 
 def train_mask_net(model, frames_train, steps: int, batch: int = 2) -> None:
-    """Train only the mask network on the dilated ground-truth boxes (Adam, a few hundred steps)."""
-    from detector.geometry.box_masks import boxes_mask
-
+    """Train only the mask network on its target, the detector's (:meth:`BevDetector.object_mask`: the
+    dilated boxes of the detector's classes), with Adam."""
     net = model.mask_net
     net.train()
     opt = torch.optim.Adam(net.parameters(), lr=3e-3)
@@ -90,7 +89,7 @@ def train_mask_net(model, frames_train, steps: int, batch: int = 2) -> None:
         with torch.no_grad():
             bev = model.voxelize(b)
         logits = net(bev)
-        target = boxes_mask(b.gt_boxes, model.grid, model.mask_dilation_m, downsample=net.downsample)
+        target = model.object_mask(b, downsample=net.downsample)
         loss = mask_loss(logits, target, model.mask_loss_kind)
         opt.zero_grad()
         loss.backward()
