@@ -13,7 +13,9 @@ and an active-tile share per stage, the tensors that are alive at the peak:
 - inference: the input, the stage outputs the neck reads later and the largest chain's working set (its input
   and output maps, gathered blocks, two block tensors of its widest level; a dense conv's input reorder);
 - chunking: a chain whose blocks exceed ``memory_budget_mb`` is processed in chunks (its working set is one chunk;
-  in training only the output tiles are kept, the rest is recomputed).
+  in training only the output tiles are kept, the rest is recomputed);
+- the mask network (``mask=predicted``) at its 1/d resolution: its logits, and in training its pooled input and
+  two maps per conv-BN-ReLU saved for backward.
 
 :func:`measure_peak` measures a callable's peak from the CPU allocator's events (``torch.profiler`` memory
 events, every allocation and free of the c10 allocator), on top of the bytes of the tensors alive before it; on
@@ -140,6 +142,24 @@ def _chain_bytes(c: _Chain, N: int, f: int, train: bool) -> tuple[int, int, int]
     return (saved + new_map if train else 0), maps[0] + blocks[0] + 2 * max(blocks[1:]) + new_map, out_map
 
 
+def _mask_net_bytes(model: BevDetector, N: int, f: int, train: bool) -> tuple[int, int]:
+    """(alive at the peak, working set) of the mask network ((0, 0) without one), at its 1/d resolution: the
+    logits (the detector's output keeps them); in training also what its backward needs - its max-pooled
+    input, per conv-BN-ReLU the conv output (BN keeps it) and the ReLU output (the next conv keeps it) - and
+    the loss's maps of the logits' size. The full-resolution maps it makes (its upsampled mask, the object
+    mask, their union) are freed by the end of the forward but the computation mask, counted with the BEV
+    tensor. Inference: its working set is its pooled input and two maps of its widest conv."""
+    net = model.mask_net
+    if net is None:
+        return 0, 0
+    d, H, W = net.downsample, model.grid.H, model.grid.W
+    px = N * (-(-H // d)) * (-(-W // d)) * f
+    convs = [m for m in net.net if isinstance(m, torch.nn.Conv2d)]
+    if not train:
+        return px, px * (model.grid.C + 2 * max(c.out_channels for c in convs))
+    return px * (model.grid.C + sum(2 * c.out_channels for c in convs[:-1]) + 4), 0
+
+
 def estimate(model: BevDetector, batch: int, shares: Sequence[float] | float | None, train: bool,
              itemsize: int = 4, state_per_param: int = 2, mask: torch.Tensor | None = None) -> MemoryEstimate:
     """Predicted peak memory of a training step (``train``) or of inference for ``batch`` frames.
@@ -176,9 +196,12 @@ def estimate(model: BevDetector, batch: int, shares: Sequence[float] | float | N
     neck_c, (h0, w0) = model.neck.out_channels, stage_hw[model.neck.use[0]]
     neck_maps = sum(N * neck_c * stage_hw[i][0] * stage_hw[i][1] * f for i in model.neck.use)
     head_out = N * (model.head.heatmap.out_channels + model.head.regression.out_channels) * h0 * w0 * f
+    net_alive, net_work = _mask_net_bytes(model, N, f, train)
+    if net_alive:
+        per_stage["mask_net"] = net_alive if train else net_work
     if not train:
-        return MemoryEstimate(N, "infer", P, 0, 0, bev, work_max, per_stage)
-    extra = neck_maps + head_out * 3  # the neck's sums (smoothing inputs), head outputs and loss terms
+        return MemoryEstimate(N, "infer", P, 0, 0, bev + net_alive, max(work_max, net_work), per_stage)
+    extra = net_alive + neck_maps + head_out * 3  # the neck's sums (smoothing inputs), head outputs and loss terms
     if not dense:
         extra += kept + N * neck_c * h0 * w0 * f  # sparse: the stage outputs and the tower output kept for backward
     # the peak is the end of the forward: the backward frees each layer's saved maps as it makes their gradients
@@ -246,3 +269,5 @@ def measure_peak(fn: Callable[[], object], device: torch.device) -> int:
         cur += n
         peak = max(peak, cur)
     return peak
+
+
