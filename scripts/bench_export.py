@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def frames(bev: str, root: str, n: int, block_size: str):
     with initialize_config_dir(str(REPO / "configs"), version_base="1.3"):
-        cfg = compose("train", overrides=[f"bev={bev}", f"data.root={root}", "data.num_workers=0",
+        cfg = compose("train", overrides=[f"bev={bev}", f"data.root={root}", "data.num_workers=0", "mask=road_map",
                                           "data.augment=null", "data.eval_batch_size=1", "paths.output_dir=/tmp/be",
                                           f"model.block_size={block_size}", f"model.head_block_size={block_size}"])
     grid = build_grid(cfg.bev)

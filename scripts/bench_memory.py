@@ -45,7 +45,8 @@ def setup(bev: str, root: str, dense: bool):
     with initialize_config_dir(str(REPO / "configs"), version_base="1.3"):
         cfg = compose("train", overrides=[f"bev={bev}", f"data.root={root}", "data.num_workers=0", "data.augment=null",
                                           "model.block_size=16", "model.head_block_size=16", "paths.output_dir=/tmp/bm"]
-                      + (["mask=none"] if dense else []))
+                      # a data-side mask (road_map) for the sparse rows: the table sets the mask itself
+                      + ["mask=none" if dense else "mask=road_map"])
     grid = build_grid(cfg.bev)
     torch.manual_seed(0)
     return cfg, grid, build_model(cfg.model, cfg.mask, grid)

@@ -52,7 +52,8 @@ def test_side_by_side_wall_time_is_each_runs_own(tmp_path, monkeypatch):
         def poll(self):
             if time.time() < self.end:
                 return None
-            (mod.Path(self.out) / "run.json").write_text(json.dumps({"metrics": METRICS, "fit_s": 0.3, "best_ckpt": ""}))
+            run = {"metrics": METRICS, "fit_s": 0.3, "best_ckpt": ""}
+            (mod.Path(self.out) / "run.json").write_text(json.dumps(run))
             return 0
 
         def wait(self):

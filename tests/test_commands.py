@@ -167,7 +167,7 @@ def tiny_checkpoint(tiny_root, tmp_path_factory) -> Path:
             f"paths.output_dir={out}", f"data.root={tiny_root}", "bev.x_range=[0,25.6]", "bev.y_range=[-12.8,12.8]",
             "model.backbone.stem_channels=8", "model.backbone.stage_units=[1,1,1,1]",
             "model.backbone.stage_channels=[8,8,16,16]", "model.neck_channels=8", "model.head_channels=8",
-            "data.batch_size=2", "data.augment=null", "trainer.max_steps=1", "logger=none",
+            "data.batch_size=2", "data.augment=null", "trainer.max_steps=1", "logger=none", "mask=road_map",
             "callbacks.model_checkpoint.monitor=null", "callbacks.progress_bar=null", "evaluate_after=false"])
     return Path(train(cfg)["best_ckpt"])
 

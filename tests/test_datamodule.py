@@ -95,7 +95,7 @@ def _train_batches(root, workers: int, threads: int, n: int = 2):
     with initialize_config_dir(str(config_dir()), version_base="1.3"):
         cfg = compose("train", overrides=[f"data.root={root}", "paths.output_dir=/tmp/unused", "data.batch_size=2",
                                           f"data.num_workers={workers}", "bev.x_range=[0,25.6]",
-                                          "bev.y_range=[-12.8,12.8]"])
+                                          "bev.y_range=[-12.8,12.8]", "mask=road_map"])
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -108,8 +108,8 @@ def _train_batches(root, workers: int, threads: int, n: int = 2):
 
 
 def test_augmented_batches_do_not_depend_on_workers_or_threads(tiny_root):
-    """The default training data (GT sampling, noise, flip, rotation, scaling; road-map mask computed in
-    the loader) is the same in the main process with 1 thread and in 2 worker processes with 2 threads."""
+    """The default training data (GT sampling, noise, flip, rotation, scaling) with mask=road_map (its mask
+    computed in the loader) is the same in the main process with 1 thread and in 2 worker processes with 2 threads."""
     a = _train_batches(tiny_root, workers=0, threads=1)
     b = _train_batches(tiny_root, workers=2, threads=2)
     assert len(a) == len(b) == 2

@@ -175,6 +175,32 @@ def test_readme_default_run_trains_with_augmentation_and_road_map(tmp_path, tiny
     assert ckpt["global_step"] == 2
 
 
+def test_predicted_mask_run_trains_the_mask_net_with_augmentation(tmp_path, tiny_root):
+    """mask=predicted with data=sim's augmentation on a tiny set: in training the computation mask is the union
+    of the mask net's prediction and the detector's object mask (the augmented frames' Car boxes dilated), and
+    the checkpoint holds the trained mask net."""
+    from detector.models.mask_net import MaskNet
+
+    overrides = [f"paths.output_dir={tmp_path}", f"data.root={tiny_root}",
+                 *[o for o in TINY if o != "data.augment=null"], "trainer.max_steps=2",
+                 "mask=predicted", "callbacks.model_checkpoint.monitor=null", "evaluate_after=false", "logger=none"]
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(CONFIGS), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    assert cfg.mask.net._target_.endswith("MaskNet") and cfg.mask.train_source == "union" and cfg.data.augment
+    grid = build_grid(cfg.bev)
+    model = build_model(cfg.model, cfg.mask, grid).train()
+    assert isinstance(model.mask_net, MaskNet)
+    batch = next(iter(build_datamodule(cfg.data, cfg.mask, grid, sparse=True).train_dataloader()))
+    assert batch.mask is None  # no data-side mask: the network's
+    out = model(batch)
+    objects = model.object_mask(batch, downsample=1)
+    assert objects.sum() > 0 and bool((out.mask[objects > 0] == 1).all()) and 0.0 < out.sparsity < 1.0
+    result = train(cfg)
+    ckpt = load_checkpoint(result["best_ckpt"])
+    assert ckpt["global_step"] == 2 and any(k.startswith("model.mask_net.") for k in ckpt["state_dict"])
+
+
 class StopAtStep(L.Callback):
     """Stops training after ``step`` optimizer steps (a clean interruption of a longer schedule)."""
 
