@@ -183,7 +183,8 @@ def test_predicted_mask_from_a_second_checkpoint(car_root, predicted_ckpt, oracl
 
 def test_moonshot_status_and_before_after(car_root, predicted_ckpt, oracle, tmp_path):  # noqa: F811
     """The markdown says where the moonshot stands (from this run's figures and the checkpoint's simulated val)
-    and, with baseline= a previous run's JSON (here the committed one), each mask's figures before and after."""
+    and, with baseline= a previous run's JSON (here the committed one without its predicted entry), each mask's
+    figures before and after and the masks it lacks."""
     import shutil
 
     run = tmp_path / "run"
@@ -191,8 +192,11 @@ def test_moonshot_status_and_before_after(car_root, predicted_ckpt, oracle, tmp_
     ckpt = shutil.copy(predicted_ckpt, run / "checkpoints" / "best.ckpt")
     sv = {"easy": 95.0, "moderate": 91.5, "hard": 90.0}
     (run / "run.json").write_text(json.dumps({"metrics": {"Car": {"bev": {"R40": sv}, "3d": {"R40": sv}}}}))
-    committed = REPO / "benchmarks" / "sim2real_cpu.json"
-    base = json.loads(committed.read_text())
+    # the committed run's JSON without its predicted entry: a baseline that lacks a mask this run has
+    base = json.loads((REPO / "benchmarks" / "sim2real_cpu.json").read_text())
+    base.pop("predicted", None)
+    committed = tmp_path / "baseline.json"
+    committed.write_text(json.dumps(base))
     out = tmp_path / "sim2real.json"
     assert _script().main([f"ckpt_path={ckpt}", f"real={car_root}", f"out={out}", "images=0",
                            f"baseline={committed}"]) == 0
@@ -203,7 +207,7 @@ def test_moonshot_status_and_before_after(car_root, predicted_ckpt, oracle, tmp_
                                    "sim_val_bev_moderate": 91.5, "met": True}
     b = meta["baseline"]
     assert b["path"] == str(committed) and b["checkpoint"] == base["meta"]["checkpoint"]
-    # The committed run could not evaluate predicted (a road-map checkpoint): no before for it.
+    # no before for the mask the baseline lacks
     assert set(b["masks"]) == {"none", "ground"} and b["missing"] == ["predicted"]
     before = base["none"]["Car"]["bev"]["R40"]["moderate"]
     assert b["masks"]["none"]["before"]["bev_moderate"] == before
