@@ -68,10 +68,11 @@ def ensure_dataset(data_cfg: DictConfig) -> None:
     one there was written by another version of the simulator (:func:`detector.sim.writer.stale_sample`)."""
     root = Path(data_cfg.root)
     if (root / "ImageSets" / f"{data_cfg.train_split}.txt").exists():
-        from detector.sim.writer import stale_sample
+        if (root / "sim.json").is_file():  # a simulated root: the simulator (and open3d, ~2 s) is imported for it only
+            from detector.sim.writer import stale_sample
 
-        if stale := stale_sample(root):
-            log.warning(stale)
+            if stale := stale_sample(root):
+                log.warning(stale)
         return
     if not data_cfg.get("generate_if_missing", False):
         raise ConfigError(
