@@ -130,6 +130,7 @@ def _gather_worker(rank: int, world: int, init: str, out_dir: str) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(
         json.dumps({"ids": [r.frame_id for r in got], "ap": result.to_json()})
     )
+    dist.barrier()  # both ranks done before gloo is torn down (else one may abort)
     dist.destroy_process_group()
 
 

@@ -58,7 +58,8 @@ def _worker(rank: int, world: int, port: int, empty_rank1: bool, out_dir: str, c
             dist.all_reduce(g)
         torch.save({"y": y.detach(), "grads": grads, "buffers": dict(unit.named_buffers())},
                    os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
+    finally:  # both ranks done before either tears gloo down (else one may abort: "terminate called ...")
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -200,6 +200,7 @@ def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
             sum(f.sum() for f in net(x, _rank_mask(rank))).backward()
         torch.save({"choices": net.planner.last.choices}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
+        dist.barrier()  # both ranks done before gloo is torn down (else one may abort)
         dist.destroy_process_group()
 
 
