@@ -34,6 +34,7 @@ from .norm import (
     batch_norm_native,
     check_count,
     needs_sync,
+    region_batch_norm,
     region_moments,
     running_scale_shift,
     scale_shift,
@@ -105,13 +106,14 @@ class BlockPass:
         if m is None and not self.collect and needs_sync(bn):  # DDP: statistics of all processes
             m = self.new[j] = sync_moments(bn, region_moments(z, lvl, lm), z)
             check_count(name, m.count)
-        if m is None:
-            if not self.collect and lvl.offset == (0, 0) and lvl.region == lvl.extent and lm.region is None:
+        if m is None:  # this pass's own moments (a collecting pass stops before it gets here)
+            check_count(name, lm.count)
+            if lvl.offset == (0, 0) and lvl.region == lvl.extent and lm.region is None:
                 # the tile region is the whole block, all in the map: nn.BatchNorm2d's own fused kernel
                 # gives the same statistics (and updates the running ones)
-                check_count(name, lm.count)
                 return batch_norm_native(bn, z)
-            m = self.moments(j, z)
+            y, self.new[j] = region_batch_norm(bn, z, lvl, lm)
+            return y
         s, t = scale_shift(bn, m.mean, m.var)
         return torch.addcmul(t.view(1, -1, 1, 1), z, s.view(1, -1, 1, 1))
 

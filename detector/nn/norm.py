@@ -28,6 +28,7 @@ __all__ = [
     "batch_norm_native",
     "uses_batch_stats",
     "region_moments",
+    "region_batch_norm",
     "combine_moments",
     "scale_shift",
     "check_count",
@@ -59,15 +60,86 @@ def region_moments(z: torch.Tensor, level: Level, masks: LevelMasks) -> Moments:
     channels-last ``z`` whose region is the whole block; much faster on CPU than ``torch.var_mean``
     over dims (0, 2, 3) of a channels-last tensor.
     """
-    (ph, pw), (rh, rw) = level.offset, level.region
-    C = z.shape[1]
-    rows = z[:, :, ph : ph + rh, pw : pw + rw].permute(0, 2, 3, 1).reshape(-1, C)
-    if masks.region is not None:  # some tile regions stick out of the map: keep the in-map pixels
-        rows = rows.index_select(0, masks.region)
+    rows = _region_rows(z, level, masks)  # some tile regions stick out of the map: the in-map pixels only
     n = float(masks.count)
     mean = rows.sum(0) / n
     d = rows - mean
     return Moments(mean=mean, var=(d * d).sum(0) / n, count=masks.count)
+
+
+def _region_rows(z: torch.Tensor, level: Level, masks: LevelMasks) -> torch.Tensor:
+    """The tile regions' in-map pixels of ``z [K, C, e_h, e_w]`` as ``[pixels, C]`` rows (a copy unless the
+    region is the whole block of a channels-last ``z``)."""
+    (ph, pw), (rh, rw) = level.offset, level.region
+    rows = z[:, :, ph : ph + rh, pw : pw + rw].permute(0, 2, 3, 1).reshape(-1, z.shape[1])
+    return rows if masks.region is None else rows.index_select(0, masks.region)
+
+
+class _RegionBatchNorm(torch.autograd.Function):
+    """``y = (z - mean) * rsqrt(var + eps) * weight + bias`` on all of ``z [K, C, e_h, e_w]`` (halo included),
+    ``mean`` and ``var`` (biased) taken over the tile regions' in-map pixels only; returns ``(y, mean, var)``
+    (the moments for the running statistics, not differentiable).
+
+    The backward is written out instead of recorded: with ``n`` region pixels, ``a = weight * inv``,
+    ``sum_g`` and ``sum_gx = sum g * (z - mean)`` over all of ``z``'s pixels (y depends on every pixel, the
+    moments on the region's only), ``dz = g * a`` everywhere plus ``-a / n * (sum_g + (z - mean) * inv^2 *
+    sum_gx)`` on the region's pixels; ``dweight = sum_gx * inv``, ``dbias = sum_g`` - nn.BatchNorm2d's
+    backward when the region is the whole map. About three passes over ``z`` forward and four backward, where
+    the recorded graph of region_moments + addcmul made about ten (and saved its intermediates).
+    """
+
+    @staticmethod
+    def forward(ctx, z, weight, bias, level: Level, masks: LevelMasks, eps: float):
+        C, n = z.shape[1], float(masks.count)
+        rows = _region_rows(z, level, masks)
+        mean = rows.sum(0) / n
+        shares = rows.untyped_storage().data_ptr() == z.untyped_storage().data_ptr()  # a view of z: keep z intact
+        d = rows - mean if shares else rows.sub_(mean)
+        var = (d * d).sum(0) / n
+        inv = torch.rsqrt(var + eps)
+        scale = inv if weight is None else weight * inv
+        shift = -mean * scale if bias is None else bias - mean * scale
+        y = torch.addcmul(shift.view(1, C, 1, 1), z, scale.view(1, C, 1, 1))
+        ctx.save_for_backward(z, weight, mean, inv)
+        ctx.level, ctx.masks = level, masks
+        ctx.mark_non_differentiable(mean, var)
+        return y, mean, var
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g, _mean_grad, _var_grad):
+        z, weight, mean, inv = ctx.saved_tensors
+        level, masks = ctx.level, ctx.masks
+        (ph, pw), (rh, rw) = level.offset, level.region
+        K, C = z.shape[:2]
+        n = float(masks.count)
+        g_rows = g.permute(0, 2, 3, 1).reshape(-1, C)
+        sum_g = g_rows.sum(0)
+        sum_gx = (g_rows * z.permute(0, 2, 3, 1).reshape(-1, C)).sum(0) - mean * sum_g  # sum g * (z - mean)
+        a = inv if weight is None else weight * inv
+        dz = g * a.view(1, C, 1, 1)
+        c1 = -a * inv * inv * sum_gx / n
+        c0 = -a * sum_g / n - mean * c1  # region correction: c0 + z * c1
+        z_reg, dz_reg = z[:, :, ph : ph + rh, pw : pw + rw], dz[:, :, ph : ph + rh, pw : pw + rw]
+        if masks.region is None:
+            dz_reg.add_(torch.addcmul(c0.view(1, C, 1, 1), z_reg, c1.view(1, C, 1, 1)))
+        else:  # only the in-map region pixels carry the moments' gradient
+            corr = torch.addcmul(c0, _region_rows(z, level, masks), c1)
+            full = corr.new_zeros(K * rh * rw, C).index_copy_(0, masks.region, corr)
+            dz_reg.add_(full.view(K, rh, rw, C).permute(0, 3, 1, 2))
+        dweight = None if weight is None or not ctx.needs_input_grad[1] else sum_gx * inv
+        dbias = sum_g if ctx.needs_input_grad[2] else None
+        return dz, dweight, dbias, None, None, None
+
+
+def region_batch_norm(bn: nn.BatchNorm2d, z: torch.Tensor, level: Level, masks: LevelMasks
+                      ) -> tuple[torch.Tensor, Moments]:
+    """``bn`` applied to all of ``z [K, C, e_h, e_w]`` with the batch moments of its tile regions' in-map
+    pixels (:func:`region_moments`'s, not differentiable: they feed the running statistics), the gradient
+    flowing through the moments as it does through nn.BatchNorm2d's (:class:`_RegionBatchNorm`)."""
+    weight, bias = (bn.weight, bn.bias) if bn.affine else (None, None)
+    y, mean, var = _RegionBatchNorm.apply(z, weight, bias, level, masks, float(bn.eps))
+    return y, Moments(mean=mean, var=var, count=masks.count)
 
 
 def combine_moments(parts: list[Moments]) -> Moments:
