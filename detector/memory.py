@@ -138,8 +138,11 @@ def _chain_bytes(c: _Chain, N: int, f: int, train: bool) -> tuple[int, int, int]
         scale = chunk / K
         work = maps[0] + int(scale * (blocks[0] + 2 * max(blocks[1:]))) + out_map
         return (tiles + out_map if train else 0), work + (tiles if train else 0), out_map
+    # training saves the gathered input, per conv-BN-ReLU the conv output (BN keeps it) and the ReLU output (the
+    # next conv keeps it), and a residual unit's output tiles; not the output map: the scatter's backward needs
+    # none, and the maps still alive at the end of the forward are the ones a later layer reads (estimate: kept)
     saved = blocks[0] + 2 * sum(blocks[1:]) + (tiles if identity or ch.proj is not None else 0)
-    return (saved + new_map if train else 0), maps[0] + blocks[0] + 2 * max(blocks[1:]) + new_map, out_map
+    return (saved if train else 0), maps[0] + blocks[0] + 2 * max(blocks[1:]) + new_map, out_map
 
 
 def _mask_net_bytes(model: BevDetector, N: int, f: int, train: bool) -> tuple[int, int]:
