@@ -176,7 +176,6 @@ class SparseConvChain(nn.Module):
         self.slot_levels = tuple(range(L)) if preact else tuple(range(1, L + 1))
         if self.proj_bn is not None:
             self.slot_levels += (L,)
-        self._geometry_cache: dict[tuple[int, int, tuple[int, int]], ChainGeometry] = {}
 
     # ---------------------------------------------------------------------------------- helpers
     @property
@@ -185,15 +184,11 @@ class SparseConvChain(nn.Module):
         return list(self.bns) + ([self.proj_bn] if self.proj_bn is not None else [])
 
     def geometry(self, H: int, W: int) -> ChainGeometry:
-        """The chain's block geometry on an ``H x W`` input (cached)."""
+        """The chain's block geometry on an ``H x W`` input (:func:`chain_geometry`, memoized)."""
         try:
-            key = (H, W, pair(self.block_size, "block_size"))
-            geo = self._geometry_cache.get(key)
-            if geo is None:
-                geo = self._geometry_cache[key] = chain_geometry(H, W, self.specs, key[2])
+            return chain_geometry(H, W, self.specs, pair(self.block_size, "block_size"))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{self.name}: {exc}") from None
-        return geo
 
     def _check_x(self, x: object) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):

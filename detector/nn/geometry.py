@@ -23,6 +23,7 @@ layer whose output feeds a ``k > 1`` convolution (BN and activation of a padded 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -65,8 +66,10 @@ class ChainGeometry:
         return self.block.obsize
 
 
+@functools.lru_cache(maxsize=4096)
 def chain_geometry(H: int, W: int, convs: tuple[ConvSpec, ...], tile: int | tuple[int, int]) -> ChainGeometry:
-    """Geometry of ``convs`` run on ``tile``-pixel output tiles of an ``H x W`` input map."""
+    """Geometry of ``convs`` run on ``tile``-pixel output tiles of an ``H x W`` input map (memoized: the plan asks
+    for every candidate tile of every chain on every batch)."""
     th, tw = pair(tile, "tile")
     if th < 1 or tw < 1:
         raise ValueError(f"tile (block size) must be >= 1, got {(th, tw)}")
