@@ -176,6 +176,7 @@ class SparseConvChain(nn.Module):
         self.slot_levels = tuple(range(L)) if preact else tuple(range(1, L + 1))
         if self.proj_bn is not None:
             self.slot_levels += (L,)
+        self._geometry_cache: dict[tuple[int, int, tuple[int, int]], ChainGeometry] = {}
 
     # ---------------------------------------------------------------------------------- helpers
     @property
@@ -183,12 +184,17 @@ class SparseConvChain(nn.Module):
         """The BN slots: the chain's BNs, then the post-activation projection's BN (if any)."""
         return list(self.bns) + ([self.proj_bn] if self.proj_bn is not None else [])
 
-    def geometry(self, H: int, W: int) -> ChainGeometry:
-        """The chain's block geometry on an ``H x W`` input (:func:`chain_geometry`, memoized)."""
+    def geometry(self, H: int, W: int, tile: int | tuple[int, int] | None = None) -> ChainGeometry:
+        """The chain's block geometry on an ``H x W`` input with output tiles of ``tile`` (None: its block size),
+        cached: the plan asks for every candidate tile of every chain on every batch."""
         try:
-            return chain_geometry(H, W, self.specs, pair(self.block_size, "block_size"))
+            key = (H, W, pair(self.block_size if tile is None else tile, "block_size"))
+            geo = self._geometry_cache.get(key)
+            if geo is None:
+                geo = self._geometry_cache[key] = chain_geometry(H, W, self.specs, key[2])
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{self.name}: {exc}") from None
+        return geo
 
     def _check_x(self, x: object) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):

@@ -38,8 +38,6 @@ import torch.nn.functional as F
 
 from detector.machine import cpu_model
 
-from .geometry import chain_geometry
-
 __all__ = ["CostModel", "dense_macs", "sparse_macs", "calibrate", "load_or_calibrate", "cost_key", "default_cost_file",
            "machine_busy", "CALIBRATION_SHAPES"]
 
@@ -112,7 +110,7 @@ class CostModel:
 
         ``base``: the map the tiles are written into - "zeros" (a fresh zero map), "copy" (a copy of the
         input map: a stage's first identity unit) or "inplace" (the stage's own intermediate)."""
-        geo = chain_geometry(H, W, chain.specs, tile)
+        geo = chain.geometry(H, W, tile)
         lv = geo.levels
         area = [lv_.extent[0] * lv_.extent[1] for lv_ in lv]
         per_block = sparse_macs(chain, H, W, tile, 1) * self.mac_per_tile(tile)
@@ -149,7 +147,7 @@ def sparse_macs(chain, H: int, W: int, tile: int, blocks: int) -> int:
     """Multiply-accumulates of ``chain`` run sparse on ``blocks`` active blocks of output ``tile`` on an
     ``H x W`` map: every convolution over its whole block extent, halos included (the halos are the price
     of VALID convolutions on gathered blocks), the projection over the output tile's extent."""
-    lv = chain_geometry(H, W, chain.specs, tile).levels
+    lv = chain.geometry(H, W, tile).levels
     area = [v.extent[0] * v.extent[1] for v in lv]
     cins = [chain.in_channels] + [c.out_channels for c in chain.convs[:-1]]
     per_block = sum(area[i + 1] * cin * conv.out_channels * spec.ksize**2

@@ -23,7 +23,6 @@ layer whose output feeds a ``k > 1`` convolution (BN and activation of a padded 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -66,10 +65,8 @@ class ChainGeometry:
         return self.block.obsize
 
 
-@functools.lru_cache(maxsize=4096)
 def chain_geometry(H: int, W: int, convs: tuple[ConvSpec, ...], tile: int | tuple[int, int]) -> ChainGeometry:
-    """Geometry of ``convs`` run on ``tile``-pixel output tiles of an ``H x W`` input map (memoized: the plan asks
-    for every candidate tile of every chain on every batch)."""
+    """Geometry of ``convs`` run on ``tile``-pixel output tiles of an ``H x W`` input map."""
     th, tw = pair(tile, "tile")
     if th < 1 or tw < 1:
         raise ValueError(f"tile (block size) must be >= 1, got {(th, tw)}")

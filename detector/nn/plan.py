@@ -29,7 +29,6 @@ import torch.distributed as dist
 from detector.ops import reduce_mask
 
 from .cost import CostModel, dense_macs, load_or_calibrate, sparse_macs
-from .geometry import chain_geometry
 
 __all__ = ["DENSE", "AUTO", "CANDIDATES", "StageInput", "Plan", "Planner", "measure", "choose", "stage_macs",
            "check_setting"]
@@ -115,14 +114,14 @@ def measure(name: str, setting: int | str, units: Sequence, x_shape: Sequence[in
     N, H, W = int(x_shape[0]), int(x_shape[-2]), int(x_shape[-1])
     first = units[0]
     tiles = list(candidates) if setting == AUTO else [] if setting == DENSE else [int(setting)]
-    rest_hw = chain_geometry(H, W, first.specs, 16).levels[-1].map_size
+    rest_hw = first.geometry(H, W, 16).levels[-1].map_size
     counts = []
     for t in tiles:
-        geo = chain_geometry(H, W, first.specs, t)
+        geo = first.geometry(H, W, t)
         k1 = int(reduce_mask(mask_first, geo.block, tol=first.tol, avgpool=first.avgpool).shape[0])
         kr = 0
         if len(units) > 1:
-            geo_r = chain_geometry(*rest_hw, units[1].specs, t)
+            geo_r = units[1].geometry(*rest_hw, t)
             kr = int(reduce_mask(mask_rest, geo_r.block, tol=units[1].tol, avgpool=units[1].avgpool).shape[0])
         counts.append((t, k1, kr))
     return StageInput(name, setting, tuple(units), (N, H, W), tuple(rest_hw), tuple(counts))
