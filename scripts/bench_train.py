@@ -1,7 +1,8 @@
 """The README's main run, sparse and its dense twin, trained the same way; final metrics side by side.
 
     python scripts/bench_train.py [runs=sparse,dense] [root=data/sim_kitti] [out=benchmarks/train_sim_cpu.json]
-                                  [extra="..."] [side_by_side=false] [runs_dir=outputs/bench_train]
+                                  [extra="..."] [side_by_side=false] [runs_dir=outputs/bench_train] [steps=8]
+                                  [from_json=]
 
 ``runs``: sparse (the default config, make train's run), dense (its twin), road_map / predicted / ground (the
 sparse model under that mask); ``extra``: Hydra overrides added to every run.
@@ -18,6 +19,13 @@ then the evaluation of its best checkpoint on the val split). Writes
 "plan": {"sparse": {"mac_ratio", "mac_bound", "steps"}, "dense": null}, ...}`` and a markdown table beside it
 (``fit_s``: training alone, without setup and the final evaluation; ``plan``: the mean MACs of the training
 steps' execution plans over dense, and the bound their active tiles and halos leave).
+
+Where a step's time goes (``steps``, 0: skipped): after the runs, each run's best checkpoint trains ``steps`` more
+steps in this process (after 2 warm-up steps; AdamW at a small learning rate) on batches of its own training
+loader, the runs taking turns step by step, so that a drift of the machine's speed meets them alike; recorded as
+``steps_ms[run]``: median ms per step of loading a batch, voxelize, mask, plan, each backbone stage and the
+neck + head (forward), loss, backward, optimizer step, and the whole step. ``from_json=PATH`` skips training
+and measures the breakdown for the runs and checkpoints of an earlier result (written to ``out``).
 """
 
 from __future__ import annotations
@@ -57,9 +65,96 @@ def _finish(name: str, started: tuple, result: dict) -> None:
     result["runs"][name] = {"command": " ".join(cmd[1:]), "output_dir": str(out_dir), "best_ckpt": run["best_ckpt"]}
 
 
+STEP_PARTS = ("load", "voxelize", "mask", "plan", "backbone/stem", "backbone/stage1", "backbone/stage2",
+              "backbone/stage3", "backbone/stage4", "head", "forward", "loss", "backward", "optimizer", "step")
+
+
+def step_breakdown(ckpts: dict[str, str], root: str, steps: int) -> dict[str, dict[str, float]]:
+    """Median ms per training step, by part (:data:`STEP_PARTS`; ``head`` is the neck and the head), of each
+    checkpoint's detector on batches of its own training loader; the runs take turns step by step."""
+    import statistics
+
+    import torch
+    from omegaconf import open_dict
+
+    from detector.tasks import build_datamodule, load_detector
+
+    runs, warmup = {}, 2
+    for name, path in ckpts.items():
+        model, cfg = load_detector(path)
+        with open_dict(cfg):
+            cfg.data.root = root
+        dm = build_datamodule(cfg.data, cfg.mask, model.grid, bool(cfg.model.sparse))
+        dm.setup("fit")
+        loader, batches, acc = iter(dm.train_dataloader()), [], {"load": []}
+        for i in range(warmup + steps):
+            t = time.perf_counter()
+            batch = next(loader, None)
+            if batch is None:  # a small training split: its next epoch
+                loader = iter(dm.train_dataloader())
+                batch = next(loader)
+            batches.append(batch)
+            if i >= warmup:
+                acc["load"].append(time.perf_counter() - t)
+        model.train()
+        model.timing = True  # per-stage forward times (synchronizes on CUDA only)
+        runs[name] = (model, batches, torch.optim.AdamW(model.parameters(), lr=1e-5), acc)
+    for i in range(warmup + steps):
+        for model, batches, opt, acc in runs.values():
+            t0 = time.perf_counter()
+            out = model(batches[i])
+            t1 = time.perf_counter()
+            loss, _ = model.loss(out, batches[i])
+            t2 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            t3 = time.perf_counter()
+            opt.step()
+            t4 = time.perf_counter()
+            if i < warmup:
+                continue
+            parts = {**out.times, "forward": t1 - t0, "loss": t2 - t1, "backward": t3 - t2, "optimizer": t4 - t3,
+                     "step": t4 - t0}
+            for k, v in parts.items():
+                acc.setdefault(k, []).append(v)
+    return {name: {k: round(statistics.median(acc[k]) * 1e3, 1) for k in STEP_PARTS if k in acc}
+            for name, (_, _, _, acc) in runs.items()}
+
+
+def _step_table(steps_ms: dict[str, dict[str, float]]) -> list[str]:
+    names = sorted(steps_ms, key=lambda n: n == "dense")  # the dense twin last, beside the ratios to it
+    ratios = [n for n in names if n != "dense"] if "dense" in steps_ms else []
+    rows = ["| part (median ms / step) | " + " | ".join(names) + "".join(f" | {n} / dense" for n in ratios) + " |",
+            "|---|" + "---|" * (len(names) + len(ratios))]
+    for part in STEP_PARTS:
+        if not any(part in steps_ms[n] for n in names):
+            continue
+        vals = [steps_ms[n].get(part) for n in names]
+        cells = ["-" if v is None else f"{v:.1f}" for v in vals]
+        d = steps_ms["dense"].get(part) if ratios else None
+        for n in ratios:
+            v = steps_ms[n].get(part)
+            cells.append(f"{v / d:.2f}" if v is not None and d else "-")
+        rows.append(f"| {part} | " + " | ".join(cells) + " |")
+    return rows
+
+
 def main(argv=None) -> int:
     args = parse_args(argv, {"runs": "sparse,dense", "root": "data/sim_kitti", "out": "benchmarks/train_sim_cpu.json",
-                             "extra": "", "side_by_side": False, "runs_dir": "outputs/bench_train"}, __doc__)
+                             "extra": "", "side_by_side": False, "runs_dir": "outputs/bench_train", "steps": 8,
+                             "from_json": ""}, __doc__)
+    if args["from_json"]:
+        result = json.loads(Path(args["from_json"]).read_text())
+        missing = [n for n in result["wall_s"] if not Path(result["runs"][n]["best_ckpt"]).is_file()]
+        if missing:
+            raise SystemExit(f"error: from_json={args['from_json']}: the checkpoint of run {missing[0]!r} is gone "
+                             f"({result['runs'][missing[0]]['best_ckpt']})")
+        # an earlier result without its command: the runs' arguments it records
+        side = str(result["side_by_side"]).lower()
+        result.setdefault("command", f"runs={','.join(result['wall_s'])} side_by_side={side}")
+        _add_steps(result, args)
+        _write(result, Path(args["out"]))
+        return 0
     import platform
 
     import torch
@@ -67,7 +162,8 @@ def main(argv=None) -> int:
     from detector.machine import cpu_model
 
     cpu = cpu_model()
-    result: dict = {"wall_s": {}, "runs": {}, "load_avg_before": os.getloadavg(),
+    result: dict = {"command": " ".join(argv if argv is not None else sys.argv[1:]), "wall_s": {}, "runs": {},
+                    "load_avg_before": os.getloadavg(),
                     "machine": f"{platform.machine()}, {cpu}, {os.cpu_count()} CPUs",
                     "threads": torch.get_num_threads(), "torch": torch.__version__,
                     "env": {k: os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")}}
@@ -109,7 +205,23 @@ def main(argv=None) -> int:
     if any(name not in result["wall_s"] for name in names):
         return 1
     result["load_avg_after"] = os.getloadavg()
-    out = Path(args["out"])
+    _add_steps(result, args)
+    _write(result, Path(args["out"]))
+    return 0
+
+
+def _add_steps(result: dict, args: dict) -> None:
+    if args["steps"] > 0:
+        import torch
+
+        ckpts = {n: result["runs"][n]["best_ckpt"] for n in result["wall_s"]}
+        result["steps_ms"] = step_breakdown(ckpts, args["root"], args["steps"])
+        result["steps_meta"] = {"steps": args["steps"], "threads": torch.get_num_threads(),
+                                "command": "python scripts/bench_train.py " + " ".join(
+                                    f"{k}={args[k]}" for k in ("root", "steps", "from_json") if args[k] != "")}
+
+
+def _write(result: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     rows = ["| model | metric | easy | moderate | hard | wall s |", "|---|---|---|---|---|---|"]
@@ -128,15 +240,19 @@ def main(argv=None) -> int:
                          f"dense MACs on average; the active tiles and halos bound it at {p['mac_bound']:.2f} (every "
                          f"stage at its fewest MACs), i.e. a conv-only speedup bound of "
                          f"{1 / p['mac_bound'] if p['mac_bound'] else float('inf'):.2f}x.")
+    if result.get("steps_ms"):
+        m = result["steps_meta"]
+        notes += ["", f"Where a training step's time goes (`{m['command']}`: each run's best checkpoint, {m['steps']} "
+                  f"steps after 2 warm-up ones in one process, the runs taking turns, {m['threads']} threads; the "
+                  "backward is not split by stage):", "", *_step_table(result["steps_ms"])]
     out.with_suffix(".md").write_text(
         "# Training on the simulated sample (CPU, 2 cores)\n\n`python scripts/bench_train.py "
-        + " ".join(argv if argv is not None else sys.argv[1:]) + f"` - {result['machine']}, torch {result['torch']}, "
+        + result["command"] + f"` - {result['machine']}, torch {result['torch']}, "
         + ("the runs side by side, " if result["side_by_side"] else "one run after the other, ")
         + f"{result['threads']} threads each, allocator {result['env']} (load before "
         + f"{result['load_avg_before']}, after {result['load_avg_after']})\n\n" + "\n".join(rows) + "\n\n"
         + "\n".join(notes) + "\n")
     print(out.with_suffix(".md").read_text())
-    return 0
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 
+import pytest
+
 from tests.test_plan import COST_OVERRIDE
 from tests.test_train import REPO, TINY
 
@@ -22,7 +24,7 @@ def test_bench_train_side_by_side_writes_both_runs(tmp_path, tiny_root):
               "logger=none", "trainer.limit_val_batches=0", "callbacks.model_checkpoint.monitor=null"]
     out = tmp_path / "train.json"
     assert _script().main([f"root={tiny_root}", f"out={out}", "side_by_side=true", f"runs_dir={tmp_path / 'runs'}",
-                           "extra=" + " ".join(extra)]) == 0
+                           "steps=2", "extra=" + " ".join(extra)]) == 0
     res = json.loads(out.read_text())
     assert set(res["wall_s"]) == {"sparse", "dense"} and res["side_by_side"] and res["threads"] >= 1
     assert all(res["wall_s"][n] >= res["fit_s"][n] > 0 for n in ("sparse", "dense"))
@@ -33,6 +35,37 @@ def test_bench_train_side_by_side_writes_both_runs(tmp_path, tiny_root):
         assert (tmp_path / "runs").glob(f"{n}_*/train.log") and res[n]["Car"]["bev"]["R40"]["moderate"] >= 0
     md = out.with_suffix(".md").read_text()
     assert "side by side" in md and "sparse / dense: wall" in md and "bound" in md
+    # where a step's time goes: every part of the step measured for both, the plan for the sparse run only
+    steps = res["steps_ms"]
+    assert res["steps_meta"]["steps"] == 2 and set(steps) == {"sparse", "dense"}
+    for n in ("sparse", "dense"):
+        s = steps[n]
+        assert all(s[k] > 0 for k in ("load", "voxelize", "forward", "backward", "optimizer", "step", "backbone/stem"))
+        assert s["step"] >= s["forward"] and s["step"] >= s["backward"]
+    assert "plan" in steps["sparse"] and "plan" not in steps["dense"]
+    assert "| part (median ms / step) | sparse | dense | sparse / dense |" in md and "| backward |" in md
+
+
+def test_step_breakdown_from_an_earlier_result(tmp_path, tiny_root):
+    """from_json=: the breakdown for the runs and checkpoints an earlier result records, no training; a result
+    whose checkpoint is gone is refused in one line naming the run."""
+    extra = [o for o in TINY if not o.startswith(("model.block_size", "model.head_block_size"))]
+    extra += ["model.block_size=16", "model.head_block_size=16", "trainer.max_steps=1", "logger=none",
+              "trainer.limit_val_batches=0", "callbacks.model_checkpoint.monitor=null"]
+    first = tmp_path / "first.json"
+    mod = _script()
+    assert mod.main([f"root={tiny_root}", f"out={first}", "runs=dense", f"runs_dir={tmp_path / 'runs'}", "steps=0",
+                     "extra=" + " ".join(extra)]) == 0
+    assert "steps_ms" not in json.loads(first.read_text())
+    again = tmp_path / "again.json"
+    assert mod.main([f"root={tiny_root}", f"out={again}", f"from_json={first}", "steps=1"]) == 0
+    res = json.loads(again.read_text())
+    assert res["wall_s"] == json.loads(first.read_text())["wall_s"] and res["steps_ms"]["dense"]["step"] > 0
+    gone = json.loads(first.read_text())
+    gone["runs"]["dense"]["best_ckpt"] = str(tmp_path / "nowhere.ckpt")
+    first.write_text(json.dumps(gone))
+    with pytest.raises(SystemExit, match="run 'dense' is gone"):
+        mod.main([f"root={tiny_root}", f"out={again}", f"from_json={first}"])
 
 
 def test_side_by_side_wall_time_is_each_runs_own(tmp_path, monkeypatch):
@@ -63,6 +96,6 @@ def test_side_by_side_wall_time_is_each_runs_own(tmp_path, monkeypatch):
 
     monkeypatch.setattr(mod.subprocess, "Popen", FakeRun)
     out = tmp_path / "train.json"
-    assert mod.main(["root=x", f"out={out}", "side_by_side=true", f"runs_dir={tmp_path / 'runs'}"]) == 0
+    assert mod.main(["root=x", f"out={out}", "side_by_side=true", f"runs_dir={tmp_path / 'runs'}", "steps=0"]) == 0
     wall = json.loads(out.read_text())["wall_s"]
     assert wall["dense"] < 1.0 < 2.0 <= wall["sparse"]
