@@ -181,6 +181,12 @@ def main(argv: list[str] | None = None) -> None:
             "commands": [command], "notes": [args["note"]] if args["note"] else []}
     if args["merge"] and out.with_suffix(".json").is_file():
         old = json.loads(out.with_suffix(".json").read_text())
+        for key in ("cpu", "torch"):  # rows from several machines or torch versions: say so (earlier runs first)
+            was = str(old["meta"].get(key, ""))
+            if was and str(meta[key]) not in was:
+                meta[key] = f"{was}; {meta[key]} (run {len(old['meta'].get('commands', [])) + 1} on)"
+            elif was:
+                meta[key] = was
         meta["commands"] = old["meta"].get("commands", []) + meta["commands"]
         meta["notes"] = [n for n in [old["meta"].get("note")] if n] + old["meta"].get("notes", []) + meta["notes"]
         new = {tuple(r[k] for k in KEY): r for r in rows}

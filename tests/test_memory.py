@@ -217,3 +217,23 @@ def test_bench_memory_render_only_rewrites_the_markdown_from_the_json(tmp_path, 
     assert "estimate_memory.py's sparsity=, the inactive share at every stage" in md
     with pytest.raises(SystemExit, match="error: render_only=true: .*does not exist"):
         _script_module("bench_memory").main([f"out={tmp_path / 'none'}", "render_only=true"])
+
+
+def test_bench_memory_merge_keeps_the_rows_and_machines_of_earlier_runs(tmp_path, tiny_root):
+    """merge=true: rows this run does not redo are kept, and a table measured on two machines says both (a
+    merge once replaced the earlier runs' CPU with the last run's)."""
+    old_row = {"bev": "kitti", "batch": 16, "sparsity": "dense", "mode": "train", "estimate_mb": 9000.0,
+               "measured_mb": 8990.0, "error_pct": 0.1}
+    meta = {"cpu": "An Older CPU (runs 1-2)", "torch": "0.0-old", "threads": 2, "allocator": {},
+            "commands": ["python scripts/bench_memory.py a", "python scripts/bench_memory.py b"], "notes": []}
+    out = tmp_path / "memory"
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": [old_row]}))
+    _script_module("bench_memory").main([f"out={out}", f"root={tiny_root}", "bevs=small", "batches=1",
+                                         "sparsities=dense", "modes=infer", "merge=true"])
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert res["rows"][0] == old_row and len(res["rows"]) == 2 and res["rows"][1]["mode"] == "infer"
+    from detector.machine import cpu_model
+
+    assert res["meta"]["cpu"] == f"An Older CPU (runs 1-2); {cpu_model()} (run 3 on)"
+    assert res["meta"]["torch"] == f"0.0-old; {torch.__version__} (run 3 on)"
+    assert len(res["meta"]["commands"]) == 3
