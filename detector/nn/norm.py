@@ -41,7 +41,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Moments:
-    """Per-channel mean and biased variance of ``count`` pixels (differentiable tensors)."""
+    """Per-channel mean and biased variance of ``count`` pixels (differentiable tensors, except those
+    :func:`region_batch_norm` returns for the running statistics)."""
 
     mean: torch.Tensor
     var: torch.Tensor
@@ -90,12 +91,9 @@ class _RegionBatchNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, z, weight, bias, level: Level, masks: LevelMasks, eps: float):
-        C, n = z.shape[1], float(masks.count)
-        rows = _region_rows(z, level, masks)
-        mean = rows.sum(0) / n
-        shares = rows.untyped_storage().data_ptr() == z.untyped_storage().data_ptr()  # a view of z: keep z intact
-        d = rows - mean if shares else rows.sub_(mean)
-        var = (d * d).sum(0) / n
+        C = z.shape[1]
+        m = region_moments(z, level, masks)  # no graph is recorded inside forward
+        mean, var = m.mean, m.var
         inv = torch.rsqrt(var + eps)
         scale = inv if weight is None else weight * inv
         shift = -mean * scale if bias is None else bias - mean * scale
