@@ -65,13 +65,11 @@ def _finish(name: str, started: tuple, result: dict) -> None:
     result["runs"][name] = {"command": " ".join(cmd[1:]), "output_dir": str(out_dir), "best_ckpt": run["best_ckpt"]}
 
 
-STEP_PARTS = ("load", "voxelize", "mask", "plan", "backbone/stem", "backbone/stage1", "backbone/stage2",
-              "backbone/stage3", "backbone/stage4", "head", "forward", "loss", "backward", "optimizer", "step")
-
-
 def step_breakdown(ckpts: dict[str, str], root: str, steps: int) -> dict[str, dict[str, float]]:
-    """Median ms per training step, by part (:data:`STEP_PARTS`; ``head`` is the neck and the head), of each
-    checkpoint's detector on batches of its own training loader; the runs take turns step by step."""
+    """Median ms per training step, by part (loading a batch, the forward's timed parts - voxelize, mask, plan,
+    ``backbone/<stage>`` and their sum ``backbone``, ``head`` (the neck and the head) - then forward, loss,
+    backward, optimizer and the step), of each checkpoint's detector on batches of its own training loader; the
+    runs take turns step by step."""
     import statistics
 
     import torch
@@ -113,11 +111,12 @@ def step_breakdown(ckpts: dict[str, str], root: str, steps: int) -> dict[str, di
             t4 = time.perf_counter()
             if i < warmup:
                 continue
-            parts = {**out.times, "forward": t1 - t0, "loss": t2 - t1, "backward": t3 - t2, "optimizer": t4 - t3,
+            times = {k: v for k, v in out.times.items() if k != "start"}
+            parts = {**times, "forward": t1 - t0, "loss": t2 - t1, "backward": t3 - t2, "optimizer": t4 - t3,
                      "step": t4 - t0}
             for k, v in parts.items():
                 acc.setdefault(k, []).append(v)
-    return {name: {k: round(statistics.median(acc[k]) * 1e3, 1) for k in STEP_PARTS if k in acc}
+    return {name: {k: round(statistics.median(v) * 1e3, 1) for k, v in acc.items()}
             for name, (_, _, _, acc) in runs.items()}
 
 
@@ -126,9 +125,8 @@ def _step_table(steps_ms: dict[str, dict[str, float]]) -> list[str]:
     ratios = [n for n in names if n != "dense"] if "dense" in steps_ms else []
     rows = ["| part (median ms / step) | " + " | ".join(names) + "".join(f" | {n} / dense" for n in ratios) + " |",
             "|---|" + "---|" * (len(names) + len(ratios))]
-    for part in STEP_PARTS:
-        if not any(part in steps_ms[n] for n in names):
-            continue
+    parts = list(dict.fromkeys(k for n in names for k in steps_ms[n]))  # the sparse runs' parts are a superset
+    for part in parts:
         vals = [steps_ms[n].get(part) for n in names]
         cells = ["-" if v is None else f"{v:.1f}" for v in vals]
         d = steps_ms["dense"].get(part) if ratios else None

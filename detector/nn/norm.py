@@ -119,8 +119,8 @@ class _RegionBatchNorm(torch.autograd.Function):
         c1 = -a * inv * inv * sum_gx / n
         c0 = -a * sum_g / n - mean * c1  # region correction: c0 + z * c1
         z_reg, dz_reg = z[:, :, ph : ph + rh, pw : pw + rw], dz[:, :, ph : ph + rh, pw : pw + rw]
-        if masks.region is None:
-            dz_reg.add_(torch.addcmul(c0.view(1, C, 1, 1), z_reg, c1.view(1, C, 1, 1)))
+        if masks.region is None:  # in place, no region-sized temporary
+            dz_reg.addcmul_(z_reg, c1.view(1, C, 1, 1)).add_(c0.view(1, C, 1, 1))
         else:  # only the in-map region pixels carry the moments' gradient
             corr = torch.addcmul(c0, _region_rows(z, level, masks), c1)
             full = corr.new_zeros(K * rh * rw, C).index_copy_(0, masks.region, corr)
