@@ -63,6 +63,32 @@ def _finish(name: str, started: tuple, result: dict) -> None:
     result.setdefault("fit_s", {})[name] = round(run.get("fit_s", float("nan")), 1)
     result.setdefault("plan", {})[name] = run.get("plan")
     result["runs"][name] = {"command": " ".join(cmd[1:]), "output_dir": str(out_dir), "best_ckpt": run["best_ckpt"]}
+    result.setdefault("train_step_ms", {})[name] = logged_step_ms(out_dir / "tensorboard")
+
+
+def logged_step_ms(tb_dir: Path) -> dict | None:
+    """A run's training speed over its course, from its own TensorBoard log: the wall time between consecutive
+    ``train/loss`` points over the steps between them, median over the run and over each quarter of it (an
+    interval holding a validation is one of many: the medians pass over it). A drift of the machine's speed
+    during one-after-the-other runs shows as quarters that differ, where the wall times alone hide it. None
+    without a log (logger=none) or with fewer than 8 intervals."""
+    import statistics
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    points = []
+    for f in sorted(tb_dir.glob("events.out.tfevents.*")) if tb_dir.is_dir() else []:
+        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
+        acc.Reload()
+        if "train/loss" in acc.Tags().get("scalars", []):
+            points += [(e.step, e.wall_time) for e in acc.Scalars("train/loss")]
+    points.sort()
+    per_step = [1e3 * (t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in zip(points, points[1:]) if s1 > s0]
+    if len(per_step) < 8:
+        return None
+    q = len(per_step) // 4
+    return {"median": round(statistics.median(per_step), 1),
+            "quarters": [round(statistics.median(per_step[i * q:(i + 1) * q]), 1) for i in range(4)]}
 
 
 def step_breakdown(ckpts: dict[str, str], root: str, steps: int) -> dict[str, dict[str, float]]:
@@ -238,6 +264,12 @@ def _write(result: dict, out: Path) -> None:
                          f"dense MACs on average; the active tiles and halos bound it at {p['mac_bound']:.2f} (every "
                          f"stage at its fewest MACs), i.e. a conv-only speedup bound of "
                          f"{1 / p['mac_bound'] if p['mac_bound'] else float('inf'):.2f}x.")
+    logged = {n: v for n, v in result.get("train_step_ms", {}).items() if v}
+    if logged:
+        notes.append("Training speed over each run (its TensorBoard log: ms per step between logged steps, loading and "
+                     "optimizer included; median, then the medians of the run's four quarters): " + "; ".join(
+                         f"{n} {v['median']:.0f} ({' / '.join(f'{x:.0f}' for x in v['quarters'])})"
+                         for n, v in logged.items()) + ".")
     if result.get("steps_ms"):
         m = result["steps_meta"]
         notes += ["", f"Where a training step's time goes (`{m['command']}`: each run's best checkpoint, {m['steps']} "

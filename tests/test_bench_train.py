@@ -99,3 +99,25 @@ def test_side_by_side_wall_time_is_each_runs_own(tmp_path, monkeypatch):
     assert mod.main(["root=x", f"out={out}", "side_by_side=true", f"runs_dir={tmp_path / 'runs'}", "steps=0"]) == 0
     wall = json.loads(out.read_text())["wall_s"]
     assert wall["dense"] < 1.0 < 2.0 <= wall["sparse"]
+
+
+def test_logged_step_ms_reads_the_runs_own_log(tmp_path):
+    """Hand-built log: train/loss every 10 steps; the first 10 intervals 1 s apart (100 ms per step), the next 30
+    2 s apart (200 ms per step), and one of them holds a 30-s validation. Rule: per-step ms of each interval,
+    median over all and over each quarter (10 intervals each); the validation interval is one of the 40."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    log = tmp_path / "tensorboard"
+    w = SummaryWriter(str(log))
+    t = 1000.0
+    w.add_scalar("train/loss", 1.0, 0, walltime=t)
+    for i in range(40):
+        t += 1.0 if i < 10 else 2.0
+        if i == 25:
+            t += 30.0  # a validation inside this interval
+        w.add_scalar("train/loss", 1.0, 10 * (i + 1), walltime=t)
+        w.add_scalar("train/other", 0.0, 10 * (i + 1), walltime=t + 0.5)  # other tags do not count
+    w.close()
+    got = _script().logged_step_ms(log)
+    assert got == {"median": 200.0, "quarters": [100.0, 200.0, 200.0, 200.0]}
+    assert _script().logged_step_ms(tmp_path / "none") is None  # logger=none: no log
