@@ -8,8 +8,8 @@
 Without ``ckpt_path`` it first trains one: ``scripts/train.py data.root=TRAIN_ROOT`` (the default config,
 plus ``extra`` Hydra overrides) in a subprocess, and takes its best checkpoint. ``predicted_ckpt_path``: a
 second checkpoint (one trained with ``mask=predicted``, e.g. bench_train's) that ``mask=predicted`` is
-evaluated with instead of ``ckpt_path``, whose mask net may be missing (the default config trains with
-``mask=road_map``): one run then writes all three masks under their names. ``real`` (relative to the
+evaluated with instead of ``ckpt_path``, whose mask net may be missing (one trained with ``mask=road_map`` or
+``mask=ground``): one run then writes all three masks under their names. ``real`` (relative to the
 repository root) is a KITTI-format folder with ``training/{velodyne,label_2,calib}``; every frame of its
 velodyne/ is evaluated (it needs no ImageSets: a temporary root links its training/ and lists them).
 

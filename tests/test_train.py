@@ -147,14 +147,14 @@ def test_fast_dev_run_train_then_evaluate(tmp_path, tiny_root):
     assert "Car" in metrics_dense
 
 
-def test_readme_default_run_trains_with_augmentation_and_road_map(tmp_path, tiny_root):
-    """The README's main run (data=sim with its augmentation, mask=road_map, the sparse model) on a tiny
-    set: augmented frames reach the loader with their transformed road maps, the road-map computation mask
-    is made from those (it covers every drivable cell of the transformed map), and training steps run."""
+def test_road_map_run_trains_with_augmentation(tmp_path, tiny_root):
+    """mask=road_map with data=sim's augmentation on a tiny set: augmented frames reach the loader with their
+    transformed road maps, the road-map computation mask is made from those (it covers every drivable cell of the
+    transformed map), and training steps run."""
     from detector.data.masks import RoadMapMask, resample_road_map
 
     overrides = [f"paths.output_dir={tmp_path}", f"data.root={tiny_root}",
-                 *[o for o in TINY if o != "data.augment=null"], "trainer.max_steps=2",
+                 *[o for o in TINY if o != "data.augment=null"], "trainer.max_steps=2", "mask=road_map",
                  "callbacks.model_checkpoint.monitor=null", "evaluate_after=false", "logger=none"]
     GlobalHydra.instance().clear()
     with initialize_config_dir(str(CONFIGS), version_base="1.3"):
@@ -175,27 +175,51 @@ def test_readme_default_run_trains_with_augmentation_and_road_map(tmp_path, tiny
     assert ckpt["global_step"] == 2
 
 
-def test_predicted_mask_run_trains_the_mask_net_with_augmentation(tmp_path, tiny_root):
-    """mask=predicted with data=sim's augmentation on a tiny set: in training the computation mask is the union
-    of the mask net's prediction and the detector's object mask (the augmented frames' Car boxes dilated), and
-    the checkpoint holds the trained mask net."""
+def test_readme_default_run_trains_the_mask_net_on_its_own_prediction(tmp_path, tiny_root):
+    """The README's main run (the default config: data=sim with its augmentation, mask=predicted, the sparse model)
+    on a tiny set. Rule (configs/mask/predicted.yaml): in training the computation mask is the mask net's own
+    prediction - cells of probability > threshold, dilated by ``dilation`` cells of its grid, each cell covering
+    ``downsample`` x ``downsample`` BEV cells - with ``train_source=union`` it also holds every cell of the Car
+    boxes dilated by ``model.mask_dilation_m``. The checkpoint holds the trained mask net."""
     from detector.models.mask_net import MaskNet
 
     overrides = [f"paths.output_dir={tmp_path}", f"data.root={tiny_root}",
                  *[o for o in TINY if o != "data.augment=null"], "trainer.max_steps=2",
-                 "mask=predicted", "callbacks.model_checkpoint.monitor=null", "evaluate_after=false", "logger=none"]
+                 "callbacks.model_checkpoint.monitor=null", "evaluate_after=false", "logger=none"]
     GlobalHydra.instance().clear()
     with initialize_config_dir(str(CONFIGS), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
-    assert cfg.mask.net._target_.endswith("MaskNet") and cfg.mask.train_source == "union" and cfg.data.augment
+        union_cfg = compose("train", overrides=[*overrides, "mask.train_source=union"])
+    assert cfg.mask.net._target_.endswith("MaskNet") and cfg.mask.train_source == "predicted" and cfg.data.augment
     grid = build_grid(cfg.bev)
-    model = build_model(cfg.model, cfg.mask, grid).train()
-    assert isinstance(model.mask_net, MaskNet)
     batch = next(iter(build_datamodule(cfg.data, cfg.mask, grid, sparse=True).train_dataloader()))
     assert batch.mask is None  # no data-side mask: the network's
-    out = model(batch)
-    objects = model.object_mask(batch, downsample=1)
-    assert objects.sum() > 0 and bool((out.mask[objects > 0] == 1).all()) and 0.0 < out.sparsity < 1.0
+    torch.manual_seed(0)
+    model = build_model(cfg.model, cfg.mask, grid).train()
+    union = build_model(union_cfg.model, union_cfg.mask, grid).train()
+    assert isinstance(model.mask_net, MaskNet)
+    with torch.no_grad():  # an untrained net predicts nothing (bias -2): a bias that puts 3 % of its cells over 0.5
+        net = model.mask_net
+        net.net[-1].bias.zero_()
+        logits = net(model.voxelize(batch))
+        net.net[-1].bias.fill_(-float(torch.quantile(logits.flatten(), 0.97)))  # threshold 0.5: logit 0
+    union.load_state_dict(model.state_dict())
+    out, out_union = model(batch), union(batch)
+    d, t, r = cfg.mask.net.downsample, cfg.mask.net.threshold, cfg.mask.net.dilation
+    coarse = torch.sigmoid(out.mask_logits) > t
+    grown = coarse.clone()
+    for dy in range(-r, r + 1):  # every cell within r cells (a square: a max over the (2r+1)^2 window)
+        for dx in range(-r, r + 1):
+            shifted = torch.zeros_like(coarse)
+            ys, xs = slice(max(dy, 0), coarse.shape[2] + min(dy, 0)), slice(max(dx, 0), coarse.shape[3] + min(dx, 0))
+            yd, xd = slice(max(-dy, 0), coarse.shape[2] + min(-dy, 0)), slice(max(-dx, 0), coarse.shape[3] + min(-dx, 0))
+            shifted[:, :, yd, xd] = coarse[:, :, ys, xs]
+            grown |= shifted
+    expected = grown.repeat_interleave(d, 2).repeat_interleave(d, 3).float()
+    assert 0.0 < expected.mean() < 1.0 and torch.equal(out.mask, expected)
+    objects = model.object_mask(batch, downsample=1) > 0
+    assert objects.any() and not bool((out.mask[objects] == 1).all())  # the boxes are not added in
+    assert torch.equal(out_union.mask, torch.maximum(expected, objects.float()))
     result = train(cfg)
     ckpt = load_checkpoint(result["best_ckpt"])
     assert ckpt["global_step"] == 2 and any(k.startswith("model.mask_net.") for k in ckpt["state_dict"])
