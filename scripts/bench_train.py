@@ -18,7 +18,8 @@ then the evaluation of its best checkpoint on the val split). Writes
 ``{"dense": <metric JSON>, "sparse": <metric JSON>, "wall_s": {"dense": .., "sparse": ..}, "fit_s": {..},
 "plan": {"sparse": {"mac_ratio", "mac_bound", "steps"}, "dense": null}, ...}`` and a markdown table beside it
 (``fit_s``: training alone, without setup and the final evaluation; ``plan``: the mean MACs of the training
-steps' execution plans over dense, and the bound their active tiles and halos leave).
+steps' execution plans over dense, and the bound their active tiles and halos leave; ``train_step_ms``: each
+run's ms per step over its course, from its own TensorBoard log - :func:`logged_step_ms`).
 
 Where a step's time goes (``steps``, 0: skipped): after the runs, each run's best checkpoint trains ``steps`` more
 steps in this process (after 2 warm-up steps; AdamW at a small learning rate) on batches of its own training
