@@ -223,6 +223,17 @@ class DetectorModule(L.LightningModule):
                         det_scores=dets.scores, mask=mask)
         exp.add_image("val/bev", img, self.global_step, dataformats="HWC")
 
+    # --- checkpoints ------------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The execution plan's cost models go with the weights: a resumed run plans as the run it continues."""
+        state = self.model.backbone.planner.state()
+        if state:
+            checkpoint["plan_cost"] = state
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if checkpoint.get("plan_cost"):
+            self.model.backbone.planner.restore(checkpoint["plan_cost"])
+
     # --- optimization -----------------------------------------------------------------------------
     def configure_optimizers(self):
         opt = self.optimizer_factory(params=[p for p in self.parameters() if p.requires_grad])

@@ -289,3 +289,39 @@ def test_resume_with_a_plan_continues_exactly(tmp_path, tiny_root):
     plans = RecordPlans.seen[0]  # the plan mixed tiles and dense (else this test would prove little)
     choices = {c for p in plans for c in p}
     assert DENSE in choices and choices - {DENSE}, plans
+
+
+def test_resume_keeps_the_runs_cost_model(tmp_path, tiny_root, monkeypatch):
+    """A cost model calibrated on a busy machine is used but not cached, so a resumed process would calibrate again
+    and may get other constants - other plans, another run. Here each calibration returns other constants (the
+    first: sparse pays; later ones: a sparse unit costs 10 s, so every auto stage would run dense): the resumed run
+    must still plan with the interrupted run's model (kept in the checkpoint) and end with the same weights."""
+    calls = []
+
+    def calibrate(device, dtype):
+        calls.append(1)
+        return flat_cost(2e-5) if len(calls) % 2 else flat_cost(10.0)  # straight: 1st, interrupted: 3rd, resumed: 4th
+
+    monkeypatch.setenv("DETECTOR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cost_mod, "calibrate", calibrate)
+    monkeypatch.setattr(cost_mod, "machine_busy", lambda device: "load 9.0 on 2 CPUs")
+    common = ["trainer.max_steps=4", "trainer.max_epochs=-1", "callbacks.model_checkpoint.monitor=null",
+              "callbacks.model_checkpoint.every_n_train_steps=2", "callbacks.model_checkpoint.save_top_k=-1",
+              "evaluate_after=false", "logger=none", "trainer.limit_val_batches=0", "data.batch_size=1",
+              "mask=road_map", "model.block_size=[auto,16,16,16,16]", "model.head_block_size=auto",
+              "+callbacks.plans._target_=tests.test_plan.RecordPlans"]
+    RecordPlans.seen = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "calibrated while the machine was busy", each time
+        straight = train(_cfg(tmp_path / "a", tiny_root, *common))
+        calls.append(1)  # the interrupted run calibrates 3rd (sparse pays), the resumed one would 4th (dense)
+        stop = ["+callbacks.stop._target_=tests.test_train.StopAtStep", "+callbacks.stop.step=2"]
+        train(_cfg(tmp_path / "b", tiny_root, *common, *stop))
+        mid = sorted((tmp_path / "b" / "checkpoints").glob("*step000002.ckpt"))
+        resumed = train(_cfg(tmp_path / "c", tiny_root, *common, f"ckpt_path={mid[0]}"))
+    assert len(calls) == 3 and not list((tmp_path / "cache").glob("*.json"))  # never cached; resume did not calibrate
+    a = _final_weights(Path(straight["best_ckpt"]))
+    c = _final_weights(Path(resumed["best_ckpt"]))
+    for k in a:
+        torch.testing.assert_close(c[k], a[k], rtol=0, atol=0, msg=k)
+    assert any(ch != DENSE for p in RecordPlans.seen[-1] for ch in p[:1])  # the resumed run still ran the stem sparse

@@ -205,6 +205,23 @@ class Planner:
             self._models[key] = load_or_calibrate(self.cost_file, device, dtype)
         return self._models[key]
 
+    def state(self) -> dict[str, dict]:
+        """The cost models this planner has loaded or calibrated, as plain containers (a checkpoint keeps them):
+        ``{"<device>/<dtype>": CostModel dict}``; empty when the cost is given (the config has it)."""
+        if self.cost is not None:
+            return {}
+        return {f"{dev}/{str(dtype).removeprefix('torch.')}": m.to_dict() for (dev, dtype), m in self._models.items()}
+
+    def restore(self, state: dict[str, dict]) -> None:
+        """Plan with the cost models of :meth:`state` (a resumed run continues with the plans of the run it
+        resumes, even where a calibration now would give other constants: one taken on a busy machine is not
+        cached). A given cost (the config's) takes precedence."""
+        for key, d in state.items():
+            dev, _, dtype = key.partition("/")
+            if not isinstance(getattr(torch, dtype, None), torch.dtype):
+                raise ValueError(f"Planner.restore: bad cost model key {key!r}")
+            self._models[(dev, getattr(torch, dtype))] = CostModel.from_dict(d)
+
     def decide(self, inputs: Sequence[StageInput], device: torch.device, dtype: torch.dtype, training: bool) -> Plan:
         shared = self.sync and training and _distributed()
         if shared:
