@@ -221,6 +221,7 @@ class Planner:
             if not isinstance(getattr(torch, dtype, None), torch.dtype):
                 raise ValueError(f"Planner.restore: bad cost model key {key!r}")
             self._models[(dev, getattr(torch, dtype))] = CostModel.from_dict(d)
+        self._memo.clear()  # plans decided under the models these replace
 
     def decide(self, inputs: Sequence[StageInput], device: torch.device, dtype: torch.dtype, training: bool) -> Plan:
         shared = self.sync and training and _distributed()
