@@ -2,10 +2,16 @@
 
     python scripts/bench_train.py [runs=sparse,dense] [root=data/sim_kitti] [out=benchmarks/train_sim_cpu.json]
                                   [extra="..."] [side_by_side=false] [runs_dir=outputs/bench_train] [steps=8]
-                                  [from_json=]
+                                  [seeds=] [from_json=]
 
 ``runs``: sparse (the default config, make train's run), dense (its twin), road_map / predicted / ground (the
 sparse model under that mask); ``extra``: Hydra overrides added to every run.
+
+``seeds=0,1,2``: every run once per seed (``seed=K``), named ``<run>@<seed>``, each compared with the dense twin
+of its own seed; the table adds each run's Car BEV AP R40 moderate and wall time over dense per seed and their
+means (``summary``). One run's AP on the 60 val frames moves by a few points with the seed alone - the same for
+the dense twin - so "within 0.5 of dense" is judged on the means. One after the other, the order alternates
+per seed (sparse, dense, dense, sparse, ...), so a steady drift of the machine's speed meets both alike.
 
 ``side_by_side=true`` runs them at the same time, the cores split evenly between them
 (``OMP_NUM_THREADS``): on a machine that other work also loads, both then see the same load, so their
@@ -46,6 +52,16 @@ OVERRIDES = {"sparse": [], "dense": ["model=dense"], "road_map": ["mask=road_map
              "ground": ["mask=ground"]}
 
 
+def run_key(name: str, seed: int | None) -> str:
+    return name if seed is None else f"{name}@{seed}"
+
+
+def _dense_of(key: str) -> str:
+    """The dense twin's key beside ``key`` (same seed)."""
+    name, sep, seed = key.partition("@")
+    return "dense" + sep + seed
+
+
 def _finish(name: str, started: tuple, result: dict) -> None:
     """Wait for one run; record its wall time, metrics, training time and plan summary (nothing if it failed:
     it printed its own error line)."""
@@ -84,7 +100,7 @@ def logged_step_ms(tb_dir: Path) -> dict | None:
         if "train/loss" in acc.Tags().get("scalars", []):
             points += [(e.step, e.wall_time) for e in acc.Scalars("train/loss")]
     points.sort()
-    per_step = [1e3 * (t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in zip(points, points[1:]) if s1 > s0]
+    per_step = [1e3 * (t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in zip(points, points[1:], strict=False) if s1 > s0]
     if len(per_step) < 8:
         return None
     q = len(per_step) // 4
@@ -167,7 +183,7 @@ def _step_table(steps_ms: dict[str, dict[str, float]]) -> list[str]:
 def main(argv=None) -> int:
     args = parse_args(argv, {"runs": "sparse,dense", "root": "data/sim_kitti", "out": "benchmarks/train_sim_cpu.json",
                              "extra": "", "side_by_side": False, "runs_dir": "outputs/bench_train", "steps": 8,
-                             "from_json": ""}, __doc__)
+                             "seeds": "", "from_json": ""}, __doc__)
     if args["from_json"]:
         result = json.loads(Path(args["from_json"]).read_text())
         missing = [n for n in result["wall_s"] if not Path(result["runs"][n]["best_ckpt"]).is_file()]
@@ -196,17 +212,29 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in OVERRIDES]
     if unknown:
         raise SystemExit(f"error: runs={args['runs']}: unknown run {unknown[0]!r}; choose from {', '.join(OVERRIDES)}")
+    try:
+        seeds = [int(v) for v in args["seeds"].split(",")] if args["seeds"] else [None]
+    except ValueError:
+        raise SystemExit(f"error: seeds={args['seeds']!r}: expected integers separated by commas") from None
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"error: seeds={args['seeds']!r}: a seed is listed twice")
+    # one after the other, the order alternates per seed (A B, B A, A B, ...): a steady drift meets both alike
+    jobs = [(n, s) for i, s in enumerate(seeds) for n in (names if i % 2 == 0 else names[::-1])]
+    if seeds != [None]:
+        result["seeds"] = seeds
     env = dict(os.environ)
     if args["side_by_side"]:
-        threads = max(1, (os.cpu_count() or 1) // len(names))
+        threads = max(1, (os.cpu_count() or 1) // len(jobs))
         env["OMP_NUM_THREADS"] = str(threads)
         result["threads"] = threads
     result["side_by_side"] = bool(args["side_by_side"])
     started = {}
-    for name in names:
-        out_dir = REPO / args["runs_dir"] / f"{name}_{time.strftime('%Y-%m-%d_%H-%M-%S')}"
+    for run, seed in jobs:
+        name = run_key(run, seed)
+        stamp = time.strftime('%Y-%m-%d_%H-%M-%S')
+        out_dir = REPO / args["runs_dir"] / (f"{run}_{stamp}" if seed is None else f"{run}_seed{seed}_{stamp}")
         cmd = [sys.executable, "scripts/train.py", f"data.root={args['root']}", f"paths.output_dir={out_dir}",
-               *OVERRIDES[name], *args["extra"].split()]
+               *OVERRIDES[run], *args["extra"].split(), *([] if seed is None else [f"seed={seed}"])]
         print(" ".join(cmd), flush=True)
         log = None
         if args["side_by_side"]:  # two progress bars on one terminal are unreadable: each run logs to a file
@@ -219,7 +247,8 @@ def main(argv=None) -> int:
             _finish(name, started[name], result)
             if name not in result["wall_s"]:
                 return 1
-    pending = list(names) if args["side_by_side"] else []
+    keys = [run_key(n, s) for n, s in jobs]
+    pending = list(keys) if args["side_by_side"] else []
     while pending:  # each run's wall time ends when it ends, not when the one started before it ends
         done = [name for name in pending if started[name][0].poll() is not None]
         for name in done:
@@ -227,7 +256,7 @@ def main(argv=None) -> int:
             pending.remove(name)
         if pending and not done:
             time.sleep(0.2)
-    if any(name not in result["wall_s"] for name in names):
+    if any(key not in result["wall_s"] for key in keys):
         return 1
     result["load_avg_after"] = os.getloadavg()
     _add_steps(result, args)
@@ -239,14 +268,36 @@ def _add_steps(result: dict, args: dict) -> None:
     if args["steps"] > 0:
         import torch
 
-        ckpts = {n: result["runs"][n]["best_ckpt"] for n in result["wall_s"]}
+        # with seeds: the first seed's checkpoints (the breakdown's parts do not depend on the seed)
+        first = result.get("seeds", [None])[0]
+        ckpts = {n.partition("@")[0]: result["runs"][n]["best_ckpt"] for n in result["wall_s"]
+                 if n == run_key(n.partition("@")[0], first)}
         result["steps_ms"] = step_breakdown(ckpts, args["root"], args["steps"])
         result["steps_meta"] = {"steps": args["steps"], "threads": torch.get_num_threads(),
                                 "command": "python scripts/bench_train.py " + " ".join(
                                     f"{k}={args[k]}" for k in ("root", "steps", "from_json") if args[k] != "")}
 
 
+def _seed_summary(result: dict) -> dict:
+    """Per run: Car BEV AP R40 moderate and wall time over the dense twin at each seed, and their means."""
+    import statistics
+
+    out = {}
+    for name in dict.fromkeys(k.partition("@")[0] for k in result["wall_s"]):
+        keys = [run_key(name, s) for s in result["seeds"]]
+        ap = [result[k]["Car"]["bev"]["R40"]["moderate"] for k in keys]
+        w = result["wall_s"]
+        ratio = None if name == "dense" else [w[k] / w[_dense_of(k)] if _dense_of(k) in w else None for k in keys]
+        known = [r for r in ratio or [] if r is not None]
+        out[name] = {"bev_moderate": ap, "bev_moderate_mean": statistics.fmean(ap),
+                     "wall_vs_dense": ratio or [None] * len(keys),
+                     "wall_vs_dense_mean": statistics.fmean(known) if known else None}
+    return out
+
+
 def _write(result: dict, out: Path) -> None:
+    if result.get("seeds"):
+        result["summary"] = _seed_summary(result)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     rows = ["| model | metric | easy | moderate | hard | wall s |", "|---|---|---|---|---|---|"]
@@ -257,8 +308,20 @@ def _write(result: dict, out: Path) -> None:
                         f"{result['wall_s'][name]:.0f} |")
     notes = []
     w, f = result["wall_s"], result.get("fit_s", {})
-    for name in [n for n in w if n != "dense"] if "dense" in w else []:
-        notes.append(f"{name} / dense: wall {w[name] / w['dense']:.2f}, training (fit) {f[name] / f['dense']:.2f}.")
+    for name in w:
+        d = _dense_of(name)
+        if name != d and d in w:
+            notes.append(f"{name} / {d}: wall {w[name] / w[d]:.2f}, training (fit) {f[name] / f[d]:.2f}.")
+    if result.get("seeds"):
+        rows += ["", "Over the seeds (Car BEV AP R40 moderate; wall time over the dense twin of the same seed):", "",
+                 "| model | " + " | ".join(f"seed {s}" for s in result["seeds"]) + " | mean |",
+                 "|---|" + "---|" * (len(result["seeds"]) + 1)]
+        for name, v in result["summary"].items():
+            cells = [f"{a:.2f}" + ("" if r is None else f" ({r:.2f}x)") for a, r in zip(v["bev_moderate"],
+                                                                                    v["wall_vs_dense"], strict=True)]
+            mean = f"{v['bev_moderate_mean']:.2f}" + ("" if v["wall_vs_dense_mean"] is None
+                                                      else f" ({v['wall_vs_dense_mean']:.2f}x)")
+            rows.append(f"| {name} | " + " | ".join(cells) + f" | {mean} |")
     for name, p in result.get("plan", {}).items():
         if p:
             notes.append(f"{name}: the plans of its {p['steps']} training steps convolve {p['mac_ratio']:.2f} of the "

@@ -121,3 +121,55 @@ def test_logged_step_ms_reads_the_runs_own_log(tmp_path):
     got = _script().logged_step_ms(log)
     assert got == {"median": 200.0, "quarters": [100.0, 200.0, 200.0, 200.0]}
     assert _script().logged_step_ms(tmp_path / "none") is None  # logger=none: no log
+
+
+def test_seeds_run_every_model_per_seed_against_its_own_dense_twin(tmp_path, monkeypatch):
+    """seeds=3,7: each run once per seed (its command ends with seed=K), one after the other in the order
+    sparse, dense, dense, sparse (a drift meets both alike); each seed's run is compared with that seed's dense
+    twin, and the summary's means are the plain means over the seeds. Hand-set durations and APs: seed 3 sparse
+    0.2 s / dense 0.4 s, seed 7 sparse 0.3 s / dense 0.3 s -> ratios about 0.5 and 1.0, mean about 0.75; BEV
+    moderate 90 / 94 (sparse), 95 / 93 (dense) -> means 92 and 94."""
+    import time
+
+    mod = _script()
+    plan = {("sparse", "3"): (0.2, 90.0), ("dense", "3"): (0.4, 95.0), ("sparse", "7"): (0.3, 94.0),
+            ("dense", "7"): (0.3, 93.0)}
+    order = []
+
+    class FakeRun:
+        def __init__(self, cmd, **kw):
+            self.out = next(a.split("=", 1)[1] for a in cmd if a.startswith("paths.output_dir="))
+            key = ("dense" if "model=dense" in cmd else "sparse", cmd[-1].removeprefix("seed="))
+            assert cmd[-1].startswith("seed=")
+            order.append(key)
+            self.duration, ap = plan[key]
+            metric = {"R40": {"easy": ap, "moderate": ap, "hard": ap}}
+            self.metrics = {"Car": {m: metric for m in ("bev", "3d", "2d", "aos")}}
+
+        def wait(self):
+            time.sleep(self.duration)
+            (mod.Path(self.out) / "run.json").write_text(
+                json.dumps({"metrics": self.metrics, "fit_s": self.duration, "best_ckpt": ""}))
+            return 0
+
+    def popen(cmd, **kw):
+        mod.Path(next(a.split("=", 1)[1] for a in cmd if a.startswith("paths.output_dir="))).mkdir(parents=True)
+        return FakeRun(cmd, **kw)
+
+    monkeypatch.setattr(mod.subprocess, "Popen", popen)
+    out = tmp_path / "train.json"
+    assert mod.main(["root=x", f"out={out}", "seeds=3,7", f"runs_dir={tmp_path / 'runs'}", "steps=0"]) == 0
+    assert order == [("sparse", "3"), ("dense", "3"), ("dense", "7"), ("sparse", "7")]
+    res = json.loads(out.read_text())
+    assert set(res["wall_s"]) == {"sparse@3", "dense@3", "sparse@7", "dense@7"} and res["seeds"] == [3, 7]
+    s = res["summary"]["sparse"]
+    assert s["bev_moderate"] == [90.0, 94.0] and s["bev_moderate_mean"] == pytest.approx(92.0)
+    assert s["wall_vs_dense"][0] == pytest.approx(0.5, abs=0.1) and s["wall_vs_dense"][1] == pytest.approx(1.0, abs=0.2)
+    assert s["wall_vs_dense_mean"] == pytest.approx((s["wall_vs_dense"][0] + s["wall_vs_dense"][1]) / 2)
+    assert res["summary"]["dense"]["bev_moderate_mean"] == pytest.approx(94.0)
+    md = out.with_suffix(".md").read_text()
+    assert "sparse@3 / dense@3: wall" in md and "| sparse | 90.00 (" in md and "| 92.00 (" in md
+    with pytest.raises(SystemExit, match="listed twice"):
+        mod.main(["root=x", f"out={out}", "seeds=3,3"])
+    with pytest.raises(SystemExit, match="integers"):
+        mod.main(["root=x", f"out={out}", "seeds=a"])
