@@ -172,7 +172,11 @@ class DetectorModule(L.LightningModule):
         """The execution plan: plan/<stage> scalars (tile, 0 = dense) and each new plan once as text."""
         if out.plan is None:
             return
-        self.log_dict(out.plan.as_scalars(), batch_size=1)
+        # Lightning writes step values every log_every_n_steps (and when stopping) and drops the others, but each
+        # self.log call costs ~0.25 ms: the plan's ~13 scalars cost 3-4 ms of every sparse step when logged always
+        t = self.trainer
+        if t.should_stop or (self.global_step + 1) % max(1, t.log_every_n_steps) == 0:
+            self.log_dict(out.plan.as_scalars(), batch_size=1)
         if out.plan.macs:
             self._plan_macs = [self._plan_macs[0] + 1, self._plan_macs[1] + out.plan.mac_ratio(),
                                self._plan_macs[2] + out.plan.mac_bound()]

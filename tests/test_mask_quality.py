@@ -103,3 +103,23 @@ def test_validation_logs_mask_quality_and_plan(tmp_path, tiny_root):
     assert want <= tags, sorted(tags)
     assert 0 <= acc.Scalars("val/mask_recall")[-1].value <= 1
     assert acc.Tags()["tensors"] or acc.Tags().get("text"), acc.Tags()  # the plan as text
+
+
+def test_plan_scalars_are_logged_at_the_steps_lightning_writes(tmp_path, tiny_root):
+    """The plan's scalars are only logged on the steps Lightning writes (every log_every_n_steps): with 3 they
+    land at exactly the steps of train/loss - none lost, none at other steps."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from detector.tasks import train
+    from tests.test_plan import COST_OVERRIDE
+    from tests.test_train import _cfg
+
+    cfg = _cfg(tmp_path, tiny_root, "mask=road_map", "model.block_size=auto", "model.head_block_size=auto",
+               COST_OVERRIDE, "trainer.max_epochs=20", "trainer.max_steps=7", "trainer.limit_val_batches=0",
+               "trainer.log_every_n_steps=3", "evaluate_after=false")
+    train(cfg)
+    acc = EventAccumulator(str(next((tmp_path / "tensorboard").rglob("events.out.tfevents.*")).parent)).Reload()
+    assert "train/loss" in acc.Tags()["scalars"], sorted(acc.Tags()["scalars"])
+    loss_steps = [e.step for e in acc.Scalars("train/loss")]
+    assert loss_steps and [e.step for e in acc.Scalars("plan/stem")] == loss_steps
+    assert [e.step for e in acc.Scalars("plan/mac_ratio")] == loss_steps

@@ -212,7 +212,8 @@ def test_readme_default_run_trains_the_mask_net_on_its_own_prediction(tmp_path, 
         for dx in range(-r, r + 1):
             shifted = torch.zeros_like(coarse)
             ys, xs = slice(max(dy, 0), coarse.shape[2] + min(dy, 0)), slice(max(dx, 0), coarse.shape[3] + min(dx, 0))
-            yd, xd = slice(max(-dy, 0), coarse.shape[2] + min(-dy, 0)), slice(max(-dx, 0), coarse.shape[3] + min(-dx, 0))
+            yd = slice(max(-dy, 0), coarse.shape[2] + min(-dy, 0))
+            xd = slice(max(-dx, 0), coarse.shape[3] + min(-dx, 0))
             shifted[:, :, yd, xd] = coarse[:, :, ys, xs]
             grown |= shifted
     expected = grown.repeat_interleave(d, 2).repeat_interleave(d, 3).float()
