@@ -10,8 +10,9 @@ sparse model under that mask); ``extra``: Hydra overrides added to every run.
 ``seeds=0,1,2``: every run once per seed (``seed=K``), named ``<run>@<seed>``, each compared with the dense twin
 of its own seed; the table adds each run's Car BEV AP R40 moderate and wall time over dense per seed and their
 means (``summary``). One run's AP on the 60 val frames moves with the seed alone (make train's sparse run by 5
-points, its twin by 1.5: benchmarks/train_sim_cpu_seeds.md), so "within 0.5 of dense" is judged on the means. One after the other, the order alternates
-per seed (sparse, dense, dense, sparse, ...), so a steady drift of the machine's speed meets both alike.
+points, its twin by 1.5: benchmarks/train_sim_cpu_seeds.md), so "within 0.5 of dense" is judged on the means.
+One after the other, the order alternates per seed (sparse, dense, dense, sparse, ...), so a steady drift of
+the machine's speed meets both alike.
 
 ``side_by_side=true`` runs them at the same time, the cores split evenly between them
 (``OMP_NUM_THREADS``): on a machine that other work also loads, both then see the same load, so their
