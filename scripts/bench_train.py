@@ -57,10 +57,14 @@ def run_key(name: str, seed: int | None) -> str:
     return name if seed is None else f"{name}@{seed}"
 
 
+def run_name(key: str) -> str:
+    """The run of a result key (``sparse@1`` -> ``sparse``)."""
+    return key.partition("@")[0]
+
+
 def _dense_of(key: str) -> str:
     """The dense twin's key beside ``key`` (same seed)."""
-    name, sep, seed = key.partition("@")
-    return "dense" + sep + seed
+    return "dense" + key[len(run_name(key)):]
 
 
 def _finish(name: str, started: tuple, result: dict) -> None:
@@ -271,8 +275,8 @@ def _add_steps(result: dict, args: dict) -> None:
 
         # with seeds: the first seed's checkpoints (the breakdown's parts do not depend on the seed)
         first = result.get("seeds", [None])[0]
-        ckpts = {n.partition("@")[0]: result["runs"][n]["best_ckpt"] for n in result["wall_s"]
-                 if n == run_key(n.partition("@")[0], first)}
+        ckpts = {run_name(k): result["runs"][k]["best_ckpt"] for k in result["wall_s"]
+                 if k == run_key(run_name(k), first)}
         result["steps_ms"] = step_breakdown(ckpts, args["root"], args["steps"])
         result["steps_meta"] = {"steps": args["steps"], "threads": torch.get_num_threads(),
                                 "command": "python scripts/bench_train.py " + " ".join(
@@ -284,7 +288,7 @@ def _seed_summary(result: dict) -> dict:
     import statistics
 
     out = {}
-    for name in dict.fromkeys(k.partition("@")[0] for k in result["wall_s"]):
+    for name in dict.fromkeys(run_name(k) for k in result["wall_s"]):
         keys = [run_key(name, s) for s in result["seeds"]]
         ap = [result[k]["Car"]["bev"]["R40"]["moderate"] for k in keys]
         w = result["wall_s"]
