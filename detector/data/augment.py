@@ -49,28 +49,25 @@ def bev_boxes_overlap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """[N, M] bool: the BEV rectangles a [N, 5] and b [M, 5] = (x, y, l, w, yaw) intersect or touch.
 
     Exact separating-axis test: two convex polygons are disjoint iff their projections on one of the
-    4 edge normals are disjoint."""
+    4 edge normals are disjoint. Each pair's answer is elementwise arithmetic on that pair alone, so it does
+    not depend on which other boxes share the call (ObjectNoise relies on it)."""
     a = np.asarray(a, dtype=np.float64).reshape(-1, 5)
     b = np.asarray(b, dtype=np.float64).reshape(-1, 5)
     if len(a) == 0 or len(b) == 0:
         return np.zeros((len(a), len(b)), dtype=bool)
-
-    def axes(r):  # [K, 2, 2]: unit heading u and its normal v
-        c, s = np.cos(r[:, 4]), np.sin(r[:, 4])
-        return np.stack([np.stack([c, s], -1), np.stack([-s, c], -1)], axis=1)
-
-    ua, ub = axes(a), axes(b)
-    n, m = len(a), len(b)
-    normals = np.concatenate([np.broadcast_to(ua[:, None], (n, m, 2, 2)),
-                              np.broadcast_to(ub[None, :], (n, m, 2, 2))], axis=2)  # [N, M, 4, 2]
-    d = b[None, :, :2] - a[:, None, :2]  # [N, M, 2]
-    dist = np.abs(np.einsum("nmkc,nmc->nmk", normals, d))  # centre distance along each normal
-    # Projection half-length of a rectangle on axis k: (l/2)|u·k| + (w/2)|v·k|.
-    ra = (a[:, 2, None, None] / 2 * np.abs(np.einsum("nmkc,nc->nmk", normals, ua[:, 0]))
-          + a[:, 3, None, None] / 2 * np.abs(np.einsum("nmkc,nc->nmk", normals, ua[:, 1])))
-    rb = (b[None, :, 2, None] / 2 * np.abs(np.einsum("nmkc,mc->nmk", normals, ub[:, 0]))
-          + b[None, :, 3, None] / 2 * np.abs(np.einsum("nmkc,mc->nmk", normals, ub[:, 1])))
-    return ~(dist > ra + rb).any(axis=-1)
+    ca, sa = np.cos(a[:, 4])[:, None], np.sin(a[:, 4])[:, None]  # [N, 1]
+    cb, sb = np.cos(b[:, 4])[None, :], np.sin(b[:, 4])[None, :]  # [1, M]
+    dx, dy = b[None, :, 0] - a[:, None, 0], b[None, :, 1] - a[:, None, 1]  # [N, M]
+    hla, hwa, hlb, hwb = a[:, 2, None] / 2, a[:, 3, None] / 2, b[None, :, 2] / 2, b[None, :, 3] / 2
+    separated = np.zeros((len(a), len(b)), dtype=bool)
+    # The axes (kx, ky): a's heading u = (c, s) and normal v = (-s, c), then b's. Projection half-length of a
+    # rectangle on an axis k: (l/2)|u.k| + (w/2)|v.k|; the centres' distance along it: |d.k|.
+    for kx, ky in ((ca, sa), (-sa, ca), (cb, sb), (-sb, cb)):
+        dist = np.abs(kx * dx + ky * dy)
+        ra = hla * np.abs(kx * ca + ky * sa) + hwa * np.abs(kx * -sa + ky * ca)
+        rb = hlb * np.abs(kx * cb + ky * sb) + hwb * np.abs(kx * -sb + ky * cb)
+        separated |= dist > ra + rb
+    return ~separated
 
 
 def _rotate_xy(xy: np.ndarray, angle: float) -> np.ndarray:
@@ -235,20 +232,40 @@ class ObjectNoise(_Op):
         shift = rng.normal(0.0, 1.0, size=(n, self.num_tries, 3)) * np.asarray(self.translation_std)
         turn = rng.uniform(-self.max_rotation, self.max_rotation, size=(n, self.num_tries))
         moved = np.zeros(n, dtype=bool)
-        for i in np.flatnonzero(apply & movable):
-            cand = np.repeat(boxes[i:i + 1], self.num_tries, axis=0)
-            cand[:, 0:3] += shift[i]
-            cand[:, 6] += turn[i]
-            others = np.delete(boxes, i, axis=0)
-            hit = bev_boxes_overlap(cand[:, [0, 1, 3, 4, 6]], others[:, [0, 1, 3, 4, 6]]).any(axis=1)
+        tried = np.flatnonzero(apply & movable)
+        T = self.num_tries
+        # Every candidate of every object tried: [len(tried) * T, 7], object-major.
+        cand = np.repeat(boxes[tried], T, axis=0)
+        cand[:, 0:3] += shift[tried].reshape(-1, 3)
+        cand[:, 6] += turn[tried].reshape(-1)
+        # Objects move one after the other, each checked against the others where they are at its turn: the
+        # original box of one not moved (yet), the chosen candidate of one moved before. The table against the
+        # original boxes is computed at once (the overlap test is per pair, so the answers are those of testing
+        # each object on its own); a moved object's candidate is tested only when the two objects can reach each
+        # other (centres within both circumscribed radii plus both objects' largest draw, 1 m to spare): any
+        # other pair lies apart by more than that, where the test answers False.
+        bev = [0, 1, 3, 4, 6]
+        vs_orig = bev_boxes_overlap(cand[:, bev], boxes[:, bev])  # [len(tried) * T, n]
+        reach = np.hypot(boxes[:, 3], boxes[:, 4]) / 2 + np.abs(shift[:, :, :2]).sum(axis=2).max(axis=1)
+        near = np.hypot(*(boxes[:, None, :2] - boxes[None, :, :2]).transpose(2, 0, 1)) <= reach[:, None] + reach + 1.0
+        chosen: dict[int, int] = {}  # object -> row of its applied candidate
+        for p, i in enumerate(tried):
+            rows = slice(p * T, (p + 1) * T)
+            hit_table = vs_orig[rows].copy()
+            hit_table[:, [i, *chosen]] = False
+            close = [j for j in chosen if near[i, j]]
+            if close:
+                hit_table[:, close] = bev_boxes_overlap(cand[rows][:, bev], cand[[chosen[j] for j in close]][:, bev])
+            hit = hit_table.any(axis=1)
             if hit.all():
                 continue
             k = int(np.argmin(hit))  # first collision-free draw
             sel = members[i]
             local = pts[sel, :2] - boxes[i, :2]
-            pts[sel, :2] = _rotate_xy(local, float(turn[i, k])) + cand[k, :2]
+            pts[sel, :2] = _rotate_xy(local, float(turn[i, k])) + cand[p * T + k, :2]
             pts[sel, 2] += shift[i, k, 2]
-            boxes[i] = cand[k]
+            boxes[i] = cand[p * T + k]
+            chosen[int(i)] = p * T + k
             moved[i] = True
         out_pts = pts.astype(np.float32)
         out_pts[:, 3] = frame.points[:, 3]

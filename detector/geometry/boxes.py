@@ -166,20 +166,25 @@ def _inside(d: torch.Tensor, c: torch.Tensor, s: torch.Tensor, half: torch.Tenso
 def points_in_boxes_sparse(points: np.ndarray, boxes: Boxes3D) -> list[np.ndarray]:
     """Per box, the sorted indices of the ``points`` [M, >=3] inside it, with exactly the semantics (and
     arithmetic) of ``Boxes3D.points_in_boxes`` (margin 0), without the dense [M, N] test: each box only
-    tests the points of its (padded) BEV bounding box, found in the x-sorted points."""
+    tests the points of its (padded) BEV bounding box, found among the points sorted by 1 m slices of x
+    (integer keys: numpy sorts them by radix, ~10x faster than sorting the floats)."""
     n = len(boxes)
     if n == 0:
         return []
-    order = np.argsort(points[:, 0], kind="stable")
-    xs = points[order, 0]
+    x, y = points[:, 0], points[:, 1]
+    # fmin/fmax map NaN to the far end (no box's slice); a NaN or inf point fails the window test below
+    key = np.floor(np.fmax(np.fmin(x, 3.0e4), -3.0e4)).astype(np.int16)
+    order = np.argsort(key, kind="stable")
+    keys = key[order]
     corners = boxes.bev_corners().detach().cpu().double().numpy()  # [N, 4, 2]
     pad = 1e-3  # beyond any float32 rounding of the exact test
     lo, hi = corners.min(axis=1) - pad, corners.max(axis=1) + pad
+    klo, khi = np.floor(np.clip(lo[:, 0], -3.0e4, 3.0e4)), np.floor(np.clip(hi[:, 0], -3.0e4, 3.0e4))
     cands = []
     for j in range(n):
-        cand = order[np.searchsorted(xs, lo[j, 0], "left"): np.searchsorted(xs, hi[j, 0], "right")]
-        y = points[cand, 1]
-        cands.append(cand[(y >= lo[j, 1]) & (y <= hi[j, 1])])
+        cand = order[np.searchsorted(keys, klo[j], "left"): np.searchsorted(keys, khi[j], "right")]
+        cx, cy = x[cand], y[cand]
+        cands.append(cand[(cx >= lo[j, 0]) & (cx <= hi[j, 0]) & (cy >= lo[j, 1]) & (cy <= hi[j, 1])])
     sizes = [len(c) for c in cands]
     flat = np.concatenate(cands)
     inside = boxes.contains(points[flat], np.repeat(np.arange(n), sizes)).numpy()  # one test for all boxes
