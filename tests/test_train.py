@@ -205,18 +205,27 @@ def test_readme_default_run_trains_the_mask_net_on_its_own_prediction(tmp_path, 
         net.net[-1].bias.fill_(-float(torch.quantile(logits.flatten(), 0.97)))  # threshold 0.5: logit 0
     union.load_state_dict(model.state_dict())
     out, out_union = model(batch), union(batch)
-    d, t, r = cfg.mask.net.downsample, cfg.mask.net.threshold, cfg.mask.net.dilation
+    d, t = cfg.mask.net.downsample, cfg.mask.net.threshold
     coarse = torch.sigmoid(out.mask_logits) > t
-    grown = coarse.clone()
-    for dy in range(-r, r + 1):  # every cell within r cells (a square: a max over the (2r+1)^2 window)
-        for dx in range(-r, r + 1):
-            shifted = torch.zeros_like(coarse)
-            ys, xs = slice(max(dy, 0), coarse.shape[2] + min(dy, 0)), slice(max(dx, 0), coarse.shape[3] + min(dx, 0))
-            yd = slice(max(-dy, 0), coarse.shape[2] + min(-dy, 0))
-            xd = slice(max(-dx, 0), coarse.shape[3] + min(-dx, 0))
-            shifted[:, :, yd, xd] = coarse[:, :, ys, xs]
-            grown |= shifted
-    expected = grown.repeat_interleave(d, 2).repeat_interleave(d, 3).float()
+
+    def rule(r: int) -> torch.Tensor:  # every cell within r cells (a square: a max over the (2r+1)^2 window)
+        grown = coarse.clone()
+        for dy in range(-r, r + 1):
+            for dx in range(-r, r + 1):
+                shifted = torch.zeros_like(coarse)
+                ys = slice(max(dy, 0), coarse.shape[2] + min(dy, 0))
+                xs = slice(max(dx, 0), coarse.shape[3] + min(dx, 0))
+                yd = slice(max(-dy, 0), coarse.shape[2] + min(-dy, 0))
+                xd = slice(max(-dx, 0), coarse.shape[3] + min(-dx, 0))
+                shifted[:, :, yd, xd] = coarse[:, :, ys, xs]
+                grown |= shifted
+        return grown.repeat_interleave(d, 2).repeat_interleave(d, 3).float()
+
+    expected = rule(cfg.mask.net.dilation)
+    model.mask_net.dilation = cfg.mask.net.dilation + 1  # the rule at one cell more than configured, too
+    with torch.no_grad():
+        assert torch.equal(model(batch).mask, rule(cfg.mask.net.dilation + 1))
+    model.mask_net.dilation = cfg.mask.net.dilation
     assert 0.0 < expected.mean() < 1.0 and torch.equal(out.mask, expected)
     objects = model.object_mask(batch, downsample=1) > 0
     assert objects.any() and not bool((out.mask[objects] == 1).all())  # the boxes are not added in
