@@ -155,12 +155,13 @@ def main(argv=None) -> int:
         raise SystemExit(f"error: {args['ckpt_path']} was trained without a mask (mask=none): nothing to sweep")
     print(f"bench_tradeoff: {args['ckpt_path']} grid {model.grid.H}x{model.grid.W} threads={torch.get_num_threads()} "
           f"MALLOC_MMAP_MAX_={os.environ.get('MALLOC_MMAP_MAX_')}", flush=True)
+    val = loader(None)
     with torch.no_grad():  # untimed, both ways: first-call costs (allocator pages, kernels) would land in the dense row
-        first = next(iter(loader(None)))
+        first = next(iter(val))
         model.decode(model(first), **decode)
         dense_twin(model, True)
         model.decode(model(first), **decode)
-    dense = run_setting(model, loader(None), classes, decode, paired=False)
+    dense = run_setting(model, val, classes, decode, paired=False)
     dense_twin(model, False)
     rows = [{"setting": "dense", **dense, "speedup_vs_dense": 1.0}]
     for name, s in settings:
