@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
 
@@ -15,3 +16,12 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown"
+
+
+# The allocator settings the Makefile exports (the README's CPU notes say why): a benchmark records them.
+ALLOCATOR_VARS = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "THP_MEM_ALLOC_ENABLE")
+
+
+def allocator_env() -> dict[str, str | None]:
+    """This process's allocator settings (:data:`ALLOCATOR_VARS`; None where unset)."""
+    return {k: os.environ.get(k) for k in ALLOCATOR_VARS}

@@ -39,7 +39,7 @@ from detector.export import (
     freeze_modes,
     graph_breaks,
 )
-from detector.machine import cpu_model
+from detector.machine import allocator_env, cpu_model
 from detector.tasks import build_datamodule, build_grid, build_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -166,7 +166,7 @@ def main() -> None:
                              "block_size": "auto"}, __doc__)
     args["backends"] = args["backends"].split(",")
     meta = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "allocator": {k: os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")},
+            "allocator": allocator_env(),
             "frames": int(args["frames"]), "reps": int(args["reps"]), "root": args["root"], "batch": 1,
             "block_size": args["block_size"],
             "loadavg_start": os.getloadavg()}

@@ -34,7 +34,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from detector.cli import parse_args
-from detector.machine import cpu_model
+from detector.machine import allocator_env, cpu_model
 from detector.memory import MB, estimate, measure_peak, tensor_bytes
 from detector.tasks import build_datamodule, build_grid, build_model
 
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
                 rows += run(bev, b, sparsity, args["modes"].split(","), args)
     command += f" (load {load_start:.1f} -> {os.getloadavg()[0]:.1f})"
     meta = {"cpu": cpu_model(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "allocator": {k: os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")},
+            "allocator": allocator_env(),
             "measured": "tensors alive before + peak of torch.profiler CPU allocator events (not RSS)",
             "commands": [command], "notes": [args["note"]] if args["note"] else []}
     if args["merge"] and out.with_suffix(".json").is_file():

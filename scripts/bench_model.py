@@ -49,7 +49,7 @@ from hydra.utils import instantiate
 from detector.cli import parse_args
 from detector.data.datamodule import collate
 from detector.data.structures import collate_frames
-from detector.machine import cpu_model
+from detector.machine import allocator_env, cpu_model
 from detector.models.losses import mask_loss
 from detector.models.mask_quality import TILE_STRIDES, box_recall, class_boxes, tile_activity
 from detector.tasks import build_datamodule, build_grid, build_model, load_detector
@@ -181,8 +181,7 @@ def main(argv=None) -> int:
     train_ds = dm.dataset("train")
     print(f"bench_model: bev={args['bev']} ({grid.H}x{grid.W}x{grid.C}) arch={args['arch']} "
           f"frames={len(frames)} threads={torch.get_num_threads()} "
-          f"MALLOC_MMAP_MAX_={os.environ.get('MALLOC_MMAP_MAX_')} "
-          f"MALLOC_TRIM_THRESHOLD_={os.environ.get('MALLOC_TRIM_THRESHOLD_')}")
+          f"allocator {allocator_env()}")
     rows = []
     dense_ms = {}
     base_state = None
@@ -226,7 +225,7 @@ def main(argv=None) -> int:
     meta = {"machine": f"{platform.machine()}, {cpu}, {os.cpu_count()} CPUs", "torch": torch.__version__,
             "device": args["device"], "dtype": args["dtype"],
             "threads": torch.get_num_threads(), "load_avg": os.getloadavg(),
-            "env": {k: os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")},
+            "env": allocator_env(),
             "command": "python scripts/bench_model.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     if args["out"] and not args["quick"]:
         out = Path(args["out"])

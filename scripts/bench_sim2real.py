@@ -306,7 +306,7 @@ def main(argv=None) -> int:
 
     from detector.commands import visualize
     from detector.errors import USER_ERRORS, ConfigError, one_line
-    from detector.machine import cpu_model
+    from detector.machine import allocator_env, cpu_model
     from detector.resources import config_dir
     from detector.tasks import evaluate_checkpoint
 
@@ -314,7 +314,7 @@ def main(argv=None) -> int:
     meta: dict = {"load_avg_before": [round(v, 2) for v in os.getloadavg()],
                   "machine": f"{platform.machine()}, {cpu_model()}, {os.cpu_count()} CPUs",
                   "threads": torch.get_num_threads(), "torch": torch.__version__,
-                  "env": {k: os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")},
+                  "env": allocator_env(),
                   "real": args["real"], "masks": masks, "output_dir": str(run_dir)}
     ckpt = args["ckpt_path"]
     if not ckpt:

@@ -31,7 +31,7 @@ from omegaconf import open_dict
 
 from detector.cli import parse_args
 from detector.eval.kitti_metric import evaluate
-from detector.machine import cpu_model
+from detector.machine import allocator_env, cpu_model
 from detector.models.mask_quality import TILE_STRIDES, box_recall, class_boxes, tile_activity
 from detector.module import frame_records
 from detector.tasks import build_datamodule, decode_kwargs, load_detector
@@ -154,7 +154,7 @@ def main(argv=None) -> int:
     else:
         raise SystemExit(f"error: {args['ckpt_path']} was trained without a mask (mask=none): nothing to sweep")
     print(f"bench_tradeoff: {args['ckpt_path']} grid {model.grid.H}x{model.grid.W} threads={torch.get_num_threads()} "
-          f"MALLOC_MMAP_MAX_={os.environ.get('MALLOC_MMAP_MAX_')}", flush=True)
+          f"allocator {allocator_env()}", flush=True)
     val = loader(None)
     with torch.no_grad():  # untimed, both ways: first-call costs (allocator pages, kernels) would land in the dense row
         first = next(iter(val))
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
               f"ms/frame  {rows[-1]['speedup_vs_dense']:.2f}x", flush=True)
     meta = {"machine": f"{platform.machine()}, {cpu_model()}, {os.cpu_count()} CPUs",
             "torch": torch.__version__, "threads": torch.get_num_threads(), "load_avg": os.getloadavg(),
-            "env": {k: os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")},
+            "env": allocator_env(),
             "checkpoint": str(args["ckpt_path"]), "note": args["note"], "grid": [model.grid.H, model.grid.W],
             "command": "python scripts/bench_tradeoff.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     out = Path(args["out"])

@@ -205,14 +205,14 @@ def main(argv=None) -> int:
 
     import torch
 
-    from detector.machine import cpu_model
+    from detector.machine import allocator_env, cpu_model
 
     cpu = cpu_model()
     result: dict = {"command": " ".join(argv if argv is not None else sys.argv[1:]), "wall_s": {}, "runs": {},
                     "load_avg_before": os.getloadavg(),
                     "machine": f"{platform.machine()}, {cpu}, {os.cpu_count()} CPUs",
                     "threads": torch.get_num_threads(), "torch": torch.__version__,
-                    "env": {k: os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")}}
+                    "env": allocator_env()}
     names = args["runs"].split(",")
     unknown = [n for n in names if n not in OVERRIDES]
     if unknown:

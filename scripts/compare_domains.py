@@ -40,7 +40,7 @@ from omegaconf import OmegaConf
 from detector.cli import parse_args
 from detector.data.domains import DISTANCE_BANDS, STATISTICS, DomainStats, band_name, collect, compare
 from detector.errors import KittiFormatError
-from detector.machine import cpu_model
+from detector.machine import allocator_env, cpu_model
 from detector.resources import config_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -302,7 +302,7 @@ def main(argv=None) -> int:
         "command": command,
         "machine": f"{platform.machine()}, {cpu_model()}, {len(os.sched_getaffinity(0))} usable CPUs, torch "
         f"{torch.__version__}, 1 thread, load {[round(x, 2) for x in os.getloadavg()]}, allocator "
-        f"{ {k: os.environ.get(k) for k in ('MALLOC_MMAP_MAX_', 'MALLOC_TRIM_THRESHOLD_')} }",
+        f"{allocator_env()}",
         "seconds": seconds,
         "bev": args["bev"],
         "note": args["note"],
