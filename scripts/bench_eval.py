@@ -38,7 +38,7 @@ from detector.eval.kitti_files import load_eval_inputs, write_results
 from detector.eval.kitti_metric import EvalTimings, evaluate
 from detector.eval.protocol import DISTANCE_RANGES
 from detector.eval.synthetic import synthetic_set
-from detector.machine import cpu_model
+from detector.machine import allocator_env, cpu_model
 
 USAGE = __doc__
 
@@ -147,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
             "cpus": os.cpu_count(),
             "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "processor": cpu_model(),
-            "env": {k: os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "OMP_NUM_THREADS",
-                                                   "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")},
+            "env": {**allocator_env(),
+                    **{k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}},
             "threads": "NumPy only, single-threaded (no BLAS in the metric)",
             "python": platform.python_version(),
             "numpy": np.__version__,
