@@ -593,6 +593,33 @@ def test_points_in_boxes_sparse_equals_dense():
     np.testing.assert_array_equal(frame.gt_boxes.contains(pts, box).numpy(), dense[np.arange(len(pts)), box])
 
 
+def test_points_in_boxes_sparse_far_overlapping_and_bad_points():
+    """The bucketed search agrees with the dense test where its buckets clamp (boxes and points beyond
+    +-128 m, a box straddling the clamp line), on overlapping boxes (a point in both) and on NaN / inf points."""
+    from detector.geometry.boxes import points_in_boxes_sparse
+
+    boxes = Boxes3D(torch.tensor([
+        [200.0, -150.0, 0.0, 4.0, 2.0, 1.5, 0.3],   # beyond the buckets
+        [5000.0, 3000.0, 0.0, 4.0, 2.0, 1.5, 0.3],  # far beyond (a corrupt frame's scale)
+        [127.5, 3.0, 0.0, 6.0, 2.0, 1.5, 1.2],      # across the clamp line at x = 128 m
+        [10.0, 0.9, 0.0, 4.0, 2.0, 1.5, 0.0],       # a bucket edge (x, y = 0, 2 m) inside it
+        [11.0, 1.5, 0.0, 4.0, 2.0, 1.5, 0.5],       # overlaps the previous one
+        [-3.9, -0.1, -1.0, 0.8, 0.8, 1.8, -2.0],    # around the origin, negative coordinates
+    ]))
+    rng = np.random.default_rng(3)
+    centres = boxes.center.numpy()
+    pts = np.concatenate([c + rng.uniform(-4, 4, size=(400, 3)) for c in centres])
+    pts = np.concatenate([pts, boxes.corners().reshape(-1, 3).numpy(), rng.uniform(-300, 300, size=(500, 3)), rng.uniform(-1e6, 1e6, size=(50, 3))])
+    pts = np.column_stack([pts, np.zeros(len(pts))]).astype(np.float32)
+    pts[[5, 405, 805], 0] = [np.nan, np.inf, -np.inf]
+    pts[[6, 406, 1206], 1] = [np.nan, np.inf, -np.inf]
+    dense = boxes.points_in_boxes(pts).numpy()
+    assert dense.sum(0).min() > 0 and (dense.sum(1) > 1).any()  # every box holds points; some hold a point twice
+    sparse = points_in_boxes_sparse(pts, boxes)
+    for j in range(len(boxes)):
+        np.testing.assert_array_equal(sparse[j], np.flatnonzero(dense[:, j]))
+
+
 @pytest.mark.parametrize("convert", [None, "object"])
 def test_augmentor_from_hydra_config(tmp_path, convert):
     from hydra.utils import instantiate

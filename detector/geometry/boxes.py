@@ -163,29 +163,49 @@ def _inside(d: torch.Tensor, c: torch.Tensor, s: torch.Tensor, half: torch.Tenso
     return (lx.abs() <= half[..., 0]) & (ly.abs() <= half[..., 1]) & (d[..., 2].abs() <= half[..., 2])
 
 
+_CELL_M = 2.0  # points_in_boxes_sparse's bucket: 2 m x 2 m cells over [-128, 128) m (clamped), 128 x 128 of them
+_CELLS = 128
+
+
+def _cell(v: np.ndarray) -> np.ndarray:
+    """Bucket column / row of coordinates ``v`` (clamped into the 128 cells; NaN to the last one)."""
+    half = _CELLS // 2
+    return np.clip(np.floor(np.fmax(np.fmin(v / _CELL_M, half), -half - 1)), -half, half - 1).astype(np.int16) + half
+
+
 def points_in_boxes_sparse(points: np.ndarray, boxes: Boxes3D) -> list[np.ndarray]:
     """Per box, the sorted indices of the ``points`` [M, >=3] inside it, with exactly the semantics (and
-    arithmetic) of ``Boxes3D.points_in_boxes`` (margin 0), without the dense [M, N] test: each box only
-    tests the points of its (padded) BEV bounding box, found among the points sorted by 1 m slices of x
-    (integer keys: numpy sorts them by radix, ~10x faster than sorting the floats)."""
+    arithmetic) of ``Boxes3D.points_in_boxes`` (margin 0), without the dense [M, N] test: the points are
+    bucketed in 2 m BEV cells (sorted by a 16-bit cell key: numpy sorts those by radix), each box tests only
+    the points of the cells its (padded) BEV bounding box touches - one run of keys per cell column - and
+    every step runs on all boxes at once (a frame with GT sampling has ~25 boxes, and a training frame takes
+    three of these calls). Cells clamp at +-128 m, so points and boxes beyond stay correct (their border
+    cells are tested exactly like the others); a NaN or inf point fails the exact test."""
     n = len(boxes)
     if n == 0:
         return []
     x, y = points[:, 0], points[:, 1]
-    # fmin/fmax map NaN to the far end (no box's slice); a NaN or inf point fails the window test below
-    key = np.floor(np.fmax(np.fmin(x, 3.0e4), -3.0e4)).astype(np.int16)
+    key = _cell(x) * _CELLS + _cell(y)  # < 2**14: int16
     order = np.argsort(key, kind="stable")
     keys = key[order]
     corners = boxes.bev_corners().detach().cpu().double().numpy()  # [N, 4, 2]
     pad = 1e-3  # beyond any float32 rounding of the exact test
     lo, hi = corners.min(axis=1) - pad, corners.max(axis=1) + pad
-    klo, khi = np.floor(np.clip(lo[:, 0], -3.0e4, 3.0e4)), np.floor(np.clip(hi[:, 0], -3.0e4, 3.0e4))
-    cands = []
-    for j in range(n):
-        cand = order[np.searchsorted(keys, klo[j], "left"): np.searchsorted(keys, khi[j], "right")]
-        cx, cy = x[cand], y[cand]
-        cands.append(cand[(cx >= lo[j, 0]) & (cx <= hi[j, 0]) & (cy >= lo[j, 1]) & (cy <= hi[j, 1])])
-    sizes = [len(c) for c in cands]
-    flat = np.concatenate(cands)
-    inside = boxes.contains(points[flat], np.repeat(np.arange(n), sizes)).numpy()  # one test for all boxes
-    return [np.sort(c[k]) for c, k in zip(cands, np.split(inside, np.cumsum(sizes)[:-1]), strict=True)]
+    cxlo, cxhi, cylo, cyhi = (_cell(v).astype(np.int64) for v in (lo[:, 0], hi[:, 0], lo[:, 1], hi[:, 1]))
+    # one key run per (box, cell column): cells cylo..cyhi of that column
+    ncol = cxhi - cxlo + 1
+    run_box = np.repeat(np.arange(n), ncol)
+    col = cxlo[run_box] + np.arange(len(run_box)) - np.repeat(np.cumsum(ncol) - ncol, ncol)
+    start = np.searchsorted(keys, col * _CELLS + cylo[run_box], "left")
+    stop = np.searchsorted(keys, col * _CELLS + cyhi[run_box], "right")
+    # the runs' points laid end to end
+    sizes = stop - start
+    box = np.repeat(run_box, sizes)
+    cand = order[np.arange(len(box)) + np.repeat(start - (np.cumsum(sizes) - sizes), sizes)]
+    cx, cy = x[cand], y[cand]
+    window = (cx >= lo[box, 0]) & (cx <= hi[box, 0]) & (cy >= lo[box, 1]) & (cy <= hi[box, 1])
+    cand, box = cand[window], box[window]
+    inside = boxes.contains(points[cand], box).numpy()  # one exact test for all boxes
+    cand, box = cand[inside], box[inside]
+    by_box = np.lexsort((cand, box))  # by box, then point index
+    return np.split(cand[by_box], np.cumsum(np.bincount(box, minlength=n))[:-1])
