@@ -22,7 +22,6 @@ Timings on a shared machine are noisy: compare ratios within one run.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import statistics
 import time
@@ -34,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from detector.cli import parse_args
-from detector.machine import cpu_model
+from detector.machine import allocator_env, cpu_model
 from detector.ops import BlockParams, _library, calc_block_params, sparse_gather, sparse_scatter
 
 
@@ -196,11 +195,10 @@ def main(argv=None) -> None:
     rows += [row for frac in fracs for row in bench_nhwc(x, bp, frac, args.reps, gen)]
 
     cpu = cpu_model()
-    env = (f"MALLOC_MMAP_MAX_={os.environ.get('MALLOC_MMAP_MAX_', 'unset')}, "
-           f"MALLOC_TRIM_THRESHOLD_={os.environ.get('MALLOC_TRIM_THRESHOLD_', 'unset')}")
+    env = allocator_env()
     title = (f"sbnet CPU kernels vs naive torch (NCHW rows) and vs the torch index ops they replace (NHWC rows), "
              f"x = [{N}, {C}, {H}, {W}] float32, bsize 16, ksize 3, {torch.get_num_threads()} threads, "
-             f"median of {args.reps}; {cpu}; {env}")
+             f"median of {args.reps}; {cpu}; allocator {env}")
     print(f"\n{title}")
     print(f"{'op':<16} {'active':>6} {'K':>6} {'kernel ms':>10} {'naive ms':>10} {'naive/kernel':>12}")
     for r in rows:

@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from detector.cli import parse_args
-from detector.machine import cpu_model
+from detector.machine import allocator_env, cpu_model
 from detector.nn.block_pass import BlockPass
 from detector.nn.chain import SparseConvChain, zeros_in_layout
 from detector.nn.geometry import BlockSpan, level_masks
@@ -239,8 +239,7 @@ def tile_pixels(bp, idx: torch.Tensor, N: int) -> torch.Tensor:
 def environment() -> dict[str, object]:
     cpu = cpu_model()
     return {
-        "malloc_mmap_max": os.environ.get("MALLOC_MMAP_MAX_", "unset"),
-        "malloc_trim_threshold": os.environ.get("MALLOC_TRIM_THRESHOLD_", "unset"),
+        "allocator": allocator_env(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "cpu": cpu,
@@ -262,8 +261,7 @@ def run(args: dict) -> list[dict]:
     env["device"], env["dtype"] = str(device), args["dtype"]
     load0 = os.getloadavg()[0]
     print(
-        f"allocator: MALLOC_MMAP_MAX_={env['malloc_mmap_max']} "
-        f"MALLOC_TRIM_THRESHOLD_={env['malloc_trim_threshold']} | sparse maps {args['layout']}"
+        f"allocator {env['allocator']} | sparse maps {args['layout']}"
         f" | threads {env['threads']} | torch {env['torch']} | {env['cpu']} | load {load0:.2f}",
         flush=True,
     )
@@ -437,7 +435,7 @@ def markdown(rows: list[dict], command: str) -> str:
         f"Command: `{command}`",
         "",
         f"CPU: {r0['cpu']}; torch {r0['torch']}, {r0['threads']} threads; "
-        f"MALLOC_MMAP_MAX_={r0['malloc_mmap_max']}, MALLOC_TRIM_THRESHOLD_={r0['malloc_trim_threshold']} "
+        f"allocator {r0['allocator']} "
         f"(dense and sparse under the same setting, same process); batch {r0['batch']}; "
         f"load average {r0['load_avg_start']} at start, {r0['load_avg_end']} at end (shared machine).",
         "",

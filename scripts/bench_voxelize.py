@@ -36,6 +36,7 @@ from detector.data.masks import GroundMask, RoadMapMask
 from detector.data.structures import collate_frames
 from detector.geometry.box_masks import boxes_mask
 from detector.geometry.voxelize import voxelize
+from detector.machine import allocator_env
 
 USAGE = __doc__
 DEFAULTS = {"root": "", "repeats": 10, "threads": 0, "device": "cpu",
@@ -124,8 +125,7 @@ def table(r: dict) -> str:
     lines.append(f"frames: {r['frames']} from {r['source']}; torch threads {m['torch_threads']}; "
                  f"device {m['device']}; "
                  f"load average before / after {m['loadavg_before'][0]:.2f} / {m['loadavg_after'][0]:.2f} "
-                 f"on {m['cpus']} CPUs; MALLOC_MMAP_MAX_={m['malloc_mmap_max']} "
-                 f"MALLOC_TRIM_THRESHOLD_={m['malloc_trim_threshold']}")
+                 f"on {m['cpus']} CPUs; allocator {m['allocator']}")
     return "\n".join(lines)
 
 
@@ -140,8 +140,7 @@ def main(argv=None) -> int:
         "torch": torch.__version__, "python": platform.python_version(),
         "loadavg_before": [round(x, 2) for x in load_before],
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-        "malloc_mmap_max": os.environ.get("MALLOC_MMAP_MAX_", "unset"),
-        "malloc_trim_threshold": os.environ.get("MALLOC_TRIM_THRESHOLD_", "unset"),
+        "allocator": allocator_env(),
     }
     result["command"] = "python scripts/bench_voxelize.py " + " ".join(sys.argv[1:] if argv is None else argv)
     text = table(result)

@@ -609,7 +609,8 @@ def test_points_in_boxes_sparse_far_overlapping_and_bad_points():
     rng = np.random.default_rng(3)
     centres = boxes.center.numpy()
     pts = np.concatenate([c + rng.uniform(-4, 4, size=(400, 3)) for c in centres])
-    pts = np.concatenate([pts, boxes.corners().reshape(-1, 3).numpy(), rng.uniform(-300, 300, size=(500, 3)), rng.uniform(-1e6, 1e6, size=(50, 3))])
+    pts = np.concatenate([pts, boxes.corners().reshape(-1, 3).numpy(), rng.uniform(-300, 300, size=(500, 3)),
+                          rng.uniform(-1e6, 1e6, size=(50, 3))])
     pts = np.column_stack([pts, np.zeros(len(pts))]).astype(np.float32)
     pts[[5, 405, 805], 0] = [np.nan, np.inf, -np.inf]
     pts[[6, 406, 1206], 1] = [np.nan, np.inf, -np.inf]
