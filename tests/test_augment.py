@@ -602,7 +602,7 @@ def test_points_in_boxes_sparse_far_overlapping_and_bad_points():
         [200.0, -150.0, 0.0, 4.0, 2.0, 1.5, 0.3],   # beyond the buckets
         [5000.0, 3000.0, 0.0, 4.0, 2.0, 1.5, 0.3],  # far beyond (a corrupt frame's scale)
         [127.5, 3.0, 0.0, 6.0, 2.0, 1.5, 1.2],      # across the clamp line at x = 128 m
-        [10.0, 0.9, 0.0, 4.0, 2.0, 1.5, 0.0],       # a bucket edge (x, y = 0, 2 m) inside it
+        [10.0, 0.9, 0.0, 4.0, 2.0, 1.5, 0.0],       # bucket edges (x = 10 m, y = 0) inside it
         [11.0, 1.5, 0.0, 4.0, 2.0, 1.5, 0.5],       # overlaps the previous one
         [-3.9, -0.1, -1.0, 0.8, 0.8, 1.8, -2.0],    # around the origin, negative coordinates
     ]))
