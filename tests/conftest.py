@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,20 @@ def make_calib(rot_deg: float = 0.0) -> Calibration:
     return Calibration(P0=P[0], P1=P[1], P2=P[2], P3=P[3], R0_rect=np.eye(3),
                        Tr_velo_to_cam=np.hstack([R, t[:, None]]),
                        Tr_imu_to_velo=np.hstack([np.eye(3), np.zeros((3, 1))]))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _own_plan_cost_cache(tmp_path_factory):
+    """The plan's cost model is calibrated into a folder of this test session (subprocesses inherit it), never
+    the user's ``~/.cache/detector``: a test at another thread count overwrote the user's calibration there, and
+    the next ``make train`` recalibrated - uncached on a busy machine - and planned (and trained) differently."""
+    before = os.environ.get("DETECTOR_CACHE_DIR")
+    os.environ["DETECTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("detector_cache"))
+    yield
+    if before is None:
+        os.environ.pop("DETECTOR_CACHE_DIR", None)
+    else:
+        os.environ["DETECTOR_CACHE_DIR"] = before
 
 
 @pytest.fixture

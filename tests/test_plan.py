@@ -325,3 +325,10 @@ def test_resume_keeps_the_runs_cost_model(tmp_path, tiny_root, monkeypatch):
     for k in a:
         torch.testing.assert_close(c[k], a[k], rtol=0, atol=0, msg=k)
     assert any(ch != DENSE for p in RecordPlans.seen[-1] for ch in p[:1])  # the resumed run still ran the stem sparse
+
+
+def test_tests_never_calibrate_into_the_users_cache():
+    from detector.nn.cost import default_cost_file
+
+    path = default_cost_file("cpu", torch.float32)
+    assert Path.home() / ".cache" not in path.parents, path
