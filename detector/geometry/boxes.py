@@ -173,6 +173,11 @@ def _cell(v: np.ndarray) -> np.ndarray:
     return np.clip(np.floor(np.fmax(np.fmin(v / _CELL_M, half), -half - 1)), -half, half - 1).astype(np.int16) + half
 
 
+def _runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The integer runs ``starts[i] .. starts[i] + lengths[i] - 1`` laid end to end (one array, no loop)."""
+    return np.arange(int(lengths.sum())) + np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
+
+
 def points_in_boxes_sparse(points: np.ndarray, boxes: Boxes3D) -> list[np.ndarray]:
     """Per box, the sorted indices of the ``points`` [M, >=3] inside it, with exactly the semantics (and
     arithmetic) of ``Boxes3D.points_in_boxes`` (margin 0), without the dense [M, N] test: the points are
@@ -195,13 +200,13 @@ def points_in_boxes_sparse(points: np.ndarray, boxes: Boxes3D) -> list[np.ndarra
     # one key run per (box, cell column): cells cylo..cyhi of that column
     ncol = cxhi - cxlo + 1
     run_box = np.repeat(np.arange(n), ncol)
-    col = cxlo[run_box] + np.arange(len(run_box)) - np.repeat(np.cumsum(ncol) - ncol, ncol)
+    col = _runs(cxlo, ncol)
     start = np.searchsorted(keys, col * _CELLS + cylo[run_box], "left")
     stop = np.searchsorted(keys, col * _CELLS + cyhi[run_box], "right")
     # the runs' points laid end to end
     sizes = stop - start
     box = np.repeat(run_box, sizes)
-    cand = order[np.arange(len(box)) + np.repeat(start - (np.cumsum(sizes) - sizes), sizes)]
+    cand = order[_runs(start, sizes)]
     cx, cy = x[cand], y[cand]
     window = (cx >= lo[box, 0]) & (cx <= hi[box, 0]) & (cy >= lo[box, 1]) & (cy <= hi[box, 1])
     cand, box = cand[window], box[window]

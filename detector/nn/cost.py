@@ -129,11 +129,16 @@ class CostModel:
 
 
 # ------------------------------------------------------------------------------------------ MAC counts
+def _conv_inputs(chain) -> list[int]:
+    """Input channels of each convolution of ``chain`` (a list: slicing its ModuleList would build a module)."""
+    return [chain.in_channels] + [c.out_channels for c in chain.convs][:-1]
+
+
 def dense_macs(chain, N: int, H: int, W: int) -> int:
     """Multiply-accumulates of ``chain`` (a SparseConvChain) run dense on an ``N x H x W`` map (its
     convolutions and the projection shortcut)."""
     macs, h, w = 0, H, W
-    cins = [chain.in_channels] + [c.out_channels for c in chain.convs][:-1]  # (slicing a ModuleList builds one)
+    cins = _conv_inputs(chain)
     for spec, cin, conv in zip(chain.specs, cins, chain.convs, strict=True):
         h = (h + 2 * spec.padding - spec.ksize) // spec.stride + 1
         w = (w + 2 * spec.padding - spec.ksize) // spec.stride + 1
@@ -149,7 +154,7 @@ def sparse_macs(chain, H: int, W: int, tile: int, blocks: int) -> int:
     of VALID convolutions on gathered blocks), the projection over the output tile's extent."""
     lv = chain.geometry(H, W, tile).levels
     area = [v.extent[0] * v.extent[1] for v in lv]
-    cins = [chain.in_channels] + [c.out_channels for c in chain.convs][:-1]  # (slicing a ModuleList builds one)
+    cins = _conv_inputs(chain)
     per_block = sum(area[i + 1] * cin * conv.out_channels * spec.ksize**2
                     for i, (spec, cin, conv) in enumerate(zip(chain.specs, cins, chain.convs, strict=True)))
     if chain.shortcut == "projection":
