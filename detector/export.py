@@ -218,7 +218,7 @@ class OnnxRunner:
         self.names = [i.name for i in self.session.get_inputs()]
 
     def __call__(self, bev: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        feeds = {self.names[0]: bev.detach().cpu().numpy()}
+        feeds = {self.names[0]: bev.detach().cpu().contiguous().numpy()}  # onnxruntime reads C-order arrays
         if len(self.names) > 1:
             feeds[self.names[1]] = mask.detach().cpu().to(bev.dtype).numpy()
         heat, reg = self.session.run(None, feeds)

@@ -87,6 +87,8 @@ def test_matches_brute_force(dtype, n_per_frame):
     bev, stats = voxelize(pts, len(n_per_frame), SMALL)
     ref, dropped = brute_voxelize(pts.numpy(), len(n_per_frame), SMALL)
     assert bev.shape == (len(n_per_frame), SMALL.C, SMALL.H, SMALL.W) and bev.dtype == torch.float32
+    # written in the layout the convolutions read (no permuting copy of the map before the backbone)
+    assert bev.is_contiguous(memory_format=torch.channels_last)
     np.testing.assert_array_equal(bev.numpy(), ref)
     np.testing.assert_array_equal(stats.dropped_per_frame.numpy(), dropped)
     assert stats.n_dropped == int(dropped.sum()) and stats.n_points == pts.shape[0]

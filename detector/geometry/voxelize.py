@@ -7,6 +7,9 @@ Grid convention (shared by the voxelizer, the masks and the target encoding):
   ``b_k = lo + k * res`` evaluated in float64 for 0 <= k < n, and ``b_n = hi`` (the range's upper end).
   A point exactly on a border therefore belongs to the upper cell, whatever its dtype: float32
   coordinates are compared exactly (they are widened to float64, which is lossless).
+- Memory layout: channels-last (``bev.is_contiguous(memory_format=torch.channels_last)``), the layout the
+  backbone and the mask network convolve in: the scatter writes it directly, so no permuting copy of the
+  map follows.
 - Channels: C = n_slices + 1. Channel s < n_slices is the occupancy (0/1) of height slice s; the last
   channel is the intensity of the BEV cell: the **maximum** reflectance of the in-range points in that
   column (0 for an empty column). Max (not mean) is chosen because it is bitwise deterministic on every
@@ -195,7 +198,8 @@ class VoxelStats:
 
 
 def voxelize(points: torch.Tensor, batch_size: int, grid: BevGrid) -> tuple[torch.Tensor, VoxelStats]:
-    """Points of a batch [ΣN, 5] = (batch index, x, y, z, reflectance) → (BEV [B, C, H, W] float32, stats).
+    """Points of a batch [ΣN, 5] = (batch index, x, y, z, reflectance) → (BEV [B, C, H, W] float32 in the
+    channels-last layout, stats).
 
     Runs on the points' device in a single scatter pass (no loop over points or frames). Points outside
     the grid's range (half-open, see the module docstring) or with non-finite coordinates are dropped and
@@ -233,13 +237,13 @@ def voxelize(points: torch.Tensor, batch_size: int, grid: BevGrid) -> tuple[torc
     # One flat buffer with a trailing dump slot for dropped points: no boolean compaction (no sync).
     n_cells = B * C * H * W
     flat = torch.zeros(n_cells + 1, dtype=torch.float32, device=device)
-    column = (bidx * C * H + rows) * W + cols  # index of (b, 0, row, col)
-    occ_idx = torch.where(valid, column + slc * (H * W), n_cells)
-    int_idx = torch.where(valid, column + S * (H * W), n_cells)
+    column = ((bidx * H + rows) * W + cols) * C  # index of (b, 0, row, col) in the channels-last layout
+    occ_idx = torch.where(valid, column + slc, n_cells)
+    int_idx = torch.where(valid, column + S, n_cells)
     flat.index_fill_(0, occ_idx, 1.0)
     refl = points[:, 4].to(torch.float32)
     flat.scatter_reduce_(0, int_idx, refl, reduce="amax", include_self=False)
-    bev = flat[:n_cells].view(B, C, H, W)
+    bev = flat[:n_cells].view(B, H, W, C).permute(0, 3, 1, 2)  # [B, C, H, W], channels-last in memory
 
     points_per_frame = torch.bincount(bidx, minlength=B)
     dropped_per_frame = torch.bincount(bidx, weights=(~valid).to(torch.float32), minlength=B).to(torch.int64)
