@@ -126,7 +126,7 @@ class DetectorModule(L.LightningModule):
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         t0 = time.perf_counter()
         self.model.timing = True
-        out = self.model(batch)
+        out = self.model(batch, step=self.global_step)
         loss, logs = self.model.loss(out, batch)
         B = batch.size
         if self._logged_step():

@@ -53,6 +53,7 @@ def build_model(model_cfg: DictConfig, mask_cfg: DictConfig, grid: BevGrid) -> B
         neck_channels=model_cfg.neck_channels, head_channels=model_cfg.head_channels,
         out_stride=model_cfg.out_stride, mask_net=mask_net,
         train_mask_source=mask_cfg.get("train_source", "union"),
+        mask_warmup_steps=mask_cfg.get("warmup_steps", 0),
         mask_dilation_m=model_cfg.mask_dilation_m, use_data_mask=sparse,
         head_block_size=model_cfg.get("head_block_size", 16),
     )

@@ -230,6 +230,17 @@ def test_readme_default_run_trains_the_mask_net_on_its_own_prediction(tmp_path, 
     objects = model.object_mask(batch, downsample=1) > 0
     assert objects.any() and not bool((out.mask[objects] == 1).all())  # the boxes are not added in
     assert torch.equal(out_union.mask, torch.maximum(expected, objects.float()))
+    # Rule (configs/mask/predicted.yaml): the first warmup_steps optimizer steps (global steps 0 .. warmup_steps - 1)
+    # train on the union whatever train_source says; from then on the prediction alone; evaluation never adds boxes
+    w = cfg.mask.warmup_steps
+    assert w > 0
+    with torch.no_grad():
+        assert torch.equal(model(batch, step=0).mask, out_union.mask)
+        assert torch.equal(model(batch, step=w - 1).mask, out_union.mask)
+        assert torch.equal(model(batch, step=w).mask, expected)
+        model.eval()  # evaluation: the step does not matter
+        assert torch.equal(model(batch, step=0).mask, model(batch).mask)
+        model.train()
     result = train(cfg)
     ckpt = load_checkpoint(result["best_ckpt"])
     assert ckpt["global_step"] == 2 and any(k.startswith("model.mask_net.") for k in ckpt["state_dict"])
@@ -251,8 +262,9 @@ def _final_weights(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 def test_resume_continues_exactly(tmp_path, tiny_root):
-    """4 steps straight == 2 steps, stop, resume from the step-2 checkpoint, 2 more steps."""
-    common = ["trainer.max_steps=4", "trainer.max_epochs=-1", "callbacks.model_checkpoint.monitor=null",
+    """4 steps straight == 2 steps, stop, resume from the step-2 checkpoint, 2 more steps; the mask's warm-up ends
+    after step 3, in the resumed part (the step it counts is restored with the checkpoint)."""
+    common = ["trainer.max_steps=4", "mask.warmup_steps=3", "trainer.max_epochs=-1", "callbacks.model_checkpoint.monitor=null",
               "callbacks.model_checkpoint.every_n_train_steps=2", "callbacks.model_checkpoint.save_top_k=-1",
               "evaluate_after=false", "logger=none", "trainer.limit_val_batches=0", "data.batch_size=1"]
     straight = train(_cfg(tmp_path / "a", tiny_root, *common))

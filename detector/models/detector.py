@@ -6,7 +6,8 @@ dense (``mask=None``); where the mask comes from:
 - a data-side provider (road map, ground plane) puts it in ``Batch.mask``;
 - a :class:`~detector.models.mask_net.MaskNet` (``mask_net``) predicts it from the BEV input; in
   training the computation mask is the ground truth's, the prediction's, or their union
-  (``train_mask_source``), and the mask network learns from the dilated ground-truth boxes;
+  (``train_mask_source``; the union during the first ``mask_warmup_steps`` training steps whatever it says),
+  and the mask network learns from the dilated ground-truth boxes;
 - neither: dense.
 """
 
@@ -112,6 +113,7 @@ class BevDetector(nn.Module):
         out_stride: int = 4,
         mask_net: MaskNet | None = None,
         train_mask_source: str = "union",
+        mask_warmup_steps: int = 0,
         mask_dilation_m: float = 2.0,
         mask_loss_kind: str = "focal",
         mask_loss_weight: float = 1.0,
@@ -121,6 +123,8 @@ class BevDetector(nn.Module):
         super().__init__()
         if train_mask_source not in ("gt", "predicted", "union"):
             raise ValueError(f"train_mask_source must be gt, predicted or union, got {train_mask_source!r}")
+        if mask_warmup_steps < 0:
+            raise ValueError(f"mask_warmup_steps must be >= 0, got {mask_warmup_steps}")
         if grid.H % out_stride or grid.W % out_stride:
             raise ValueError(f"BEV grid {grid.H}x{grid.W} is not divisible by the head's stride {out_stride}")
         self.grid = grid
@@ -134,6 +138,7 @@ class BevDetector(nn.Module):
         self.head = DetectionHead(neck_channels, coder.num_classes, head_channels, **sparse_args)
         self.mask_net = mask_net
         self.train_mask_source = train_mask_source
+        self.mask_warmup_steps = mask_warmup_steps
         self.mask_dilation_m = mask_dilation_m
         self.mask_loss_kind = mask_loss_kind
         self.mask_loss_weight = mask_loss_weight
@@ -154,7 +159,17 @@ class BevDetector(nn.Module):
         bev, _ = voxelize(batch.points, batch.size, self.grid)
         return bev
 
-    def forward(self, batch: Batch, bev: torch.Tensor | None = None) -> DetectorOutput:
+    def train_mask_source_at(self, step: int | None) -> str:
+        """The computation mask's source in training at optimizer step ``step`` (None: past any warm-up): the
+        union with the ground truth during the first ``mask_warmup_steps`` - the mask net's first predictions are
+        empty (its bias starts at p = 0.12 < any threshold), and until it finds the objects a detector trained on
+        its prediction alone would see almost nothing - then ``train_mask_source``."""
+        if self.train_mask_source == "predicted" and step is not None and step < self.mask_warmup_steps:
+            return "union"
+        return self.train_mask_source
+
+    def forward(self, batch: Batch, bev: torch.Tensor | None = None, step: int | None = None) -> DetectorOutput:
+        """``step``: the optimizer step in training (the mask's warm-up, :meth:`train_mask_source_at`)."""
         times: dict[str, float] = {}
         t = self._tick(times, "start", time.perf_counter())
         if bev is None:
@@ -164,9 +179,10 @@ class BevDetector(nn.Module):
         if self.mask_net is not None:
             mask_logits = self.mask_net(bev)
             mask = self.mask_net.computation_mask(mask_logits, bev.shape[-2:])
-            if self.training and self.train_mask_source != "predicted":
+            source = self.train_mask_source_at(step) if self.training else "predicted"
+            if source != "predicted":
                 gt = self.object_mask(batch, downsample=1).to(bev)
-                mask = gt if self.train_mask_source == "gt" else torch.maximum(mask, gt)
+                mask = gt if source == "gt" else torch.maximum(mask, gt)
         elif self.use_data_mask and batch.mask is not None:
             mask = batch.mask.to(bev)
         t = self._tick(times, "mask", t)
