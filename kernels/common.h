@@ -92,6 +92,7 @@ SBNET_HD int64_t floor_div(int64_t a, int64_t d) { return a >= 0 ? a / d : -((-a
 // blocks b and b + P are P * stride >= size apart.
 inline int64_t num_phases(int64_t size, int64_t stride) { return (size + stride - 1) / stride; }
 
-SBNET_HD int64_t phase_of(int64_t b, int64_t phases) { return ((b % phases) + phases) % phases; }
+template <typename I>
+SBNET_HD I phase_of(I b, I phases) { return ((b % phases) + phases) % phases; }
 
 }  // namespace sbnet

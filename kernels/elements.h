@@ -22,17 +22,24 @@ struct Layout {
   bool nhwc;
 };
 
-SBNET_HD int64_t map_offset(const Layout& m, int64_t n, int64_t c, int64_t y, int64_t x) {
-  return m.nhwc ? ((n * m.H + y) * m.W + x) * m.C + c : ((n * m.C + c) * m.H + y) * m.W + x;
+// Index arithmetic runs in the integer type I: int32_t when every offset of the launch fits (the host
+// decides, cuda/host.h's with_index_type), int64_t otherwise. A GPU divides 64-bit integers in software,
+// several times slower than 32-bit ones, and block_elem divides three times per element.
+template <typename I>
+SBNET_HD I map_offset(const Layout& m, I n, I c, I y, I x) {
+  const I C = static_cast<I>(m.C), H = static_cast<I>(m.H), W = static_cast<I>(m.W);
+  return m.nhwc ? ((n * H + y) * W + x) * C + c : ((n * C + c) * H + y) * W + x;
 }
 
 // Element i of a block tensor [K, C, h, w] in its memory order (channels-last when nhwc).
+template <typename I>
 struct BlockElem {
-  int64_t k, c, r, j;  // block, channel, row, column
+  I k, c, r, j;  // block, channel, row, column
 };
 
-SBNET_HD BlockElem block_elem(int64_t i, int64_t C, int64_t h, int64_t w, bool nhwc) {
-  BlockElem e;
+template <typename I>
+SBNET_HD BlockElem<I> block_elem(I i, I C, I h, I w, bool nhwc) {
+  BlockElem<I> e;
   if (nhwc) {
     e.c = i % C;
     e.j = (i / C) % w;
@@ -49,12 +56,20 @@ SBNET_HD BlockElem block_elem(int64_t i, int64_t C, int64_t h, int64_t w, bool n
 
 // Offset in the map of block element e on grid g (block (by, bx) starts at offset + (by, bx) * stride),
 // or -1 when that pixel lies outside the map (or n outside [0, N)).
-SBNET_HD int64_t block_pixel(const int32_t* idx, const BlockElem& e, const Grid& g, const Layout& m) {
-  const int64_t n = idx[3 * e.k];
-  const int64_t y = g.offset_h + idx[3 * e.k + 1] * g.stride_h + e.r;
-  const int64_t x = g.offset_w + idx[3 * e.k + 2] * g.stride_w + e.j;
+template <typename I>
+SBNET_HD I block_pixel(const int32_t* idx, const BlockElem<I>& e, const Grid& g, const Layout& m) {
+  const I n = idx[3 * e.k];
+  const I y = static_cast<I>(g.offset_h) + idx[3 * e.k + 1] * static_cast<I>(g.stride_h) + e.r;
+  const I x = static_cast<I>(g.offset_w) + idx[3 * e.k + 2] * static_cast<I>(g.stride_w) + e.j;
   if (n < 0 || n >= m.N || y < 0 || y >= m.H || x < 0 || x >= m.W) return -1;
-  return map_offset(m, n, e.c, y, x);
+  return map_offset<I>(m, n, e.c, y, x);
+}
+
+// Block element i of a launch over block tensors [K, C, h, w] of grid g, in index type I.
+template <typename I>
+SBNET_HD BlockElem<I> block_elem_of(int64_t i, const Grid& g, const Layout& m) {
+  return block_elem<I>(static_cast<I>(i), static_cast<I>(m.C), static_cast<I>(g.size_h), static_cast<I>(g.size_w),
+                       m.nhwc);
 }
 
 // relu as torch computes it: NaN stays NaN.
@@ -64,9 +79,9 @@ SBNET_HD T relu_of(T v) {
 }
 
 // --- sparse_gather: out[i] = x at block element i (0 outside the map). g: gather grid (size = block).
-template <typename T>
+template <typename I, typename T>
 SBNET_HD void gather_element(int64_t i, const T* x, const int32_t* idx, T* out, const Grid& g, const Layout& m) {
-  const int64_t s = block_pixel(idx, block_elem(i, m.C, g.size_h, g.size_w, m.nhwc), g, m);
+  const I s = block_pixel<I>(idx, block_elem_of<I>(i, g, m), g, m);
   out[i] = s < 0 ? T(0) : x[s];
 }
 
@@ -74,22 +89,24 @@ SBNET_HD void gather_element(int64_t i, const T* x, const int32_t* idx, T* out, 
 // order: blocks of one phase never overlap (P * stride >= size), so each map element has at most one
 // writer per launch; plain read-add-write, no atomics. `dst` starts as zeros (or, for the accumulating
 // variant, the gradient to add to).
-template <typename T>
+template <typename I, typename T>
 SBNET_HD void gather_backward_element(int64_t i, const T* grad_blocks, const int32_t* idx, T* dst, const Grid& g,
                                       const Layout& m, int64_t P, int64_t Q, int64_t py, int64_t px) {
-  const BlockElem e = block_elem(i, m.C, g.size_h, g.size_w, m.nhwc);
-  if (phase_of(idx[3 * e.k + 1], P) != py || phase_of(idx[3 * e.k + 2], Q) != px) return;
-  const int64_t d = block_pixel(idx, e, g, m);
+  const BlockElem<I> e = block_elem_of<I>(i, g, m);
+  if (phase_of<I>(idx[3 * e.k + 1], static_cast<I>(P)) != py || phase_of<I>(idx[3 * e.k + 2], static_cast<I>(Q)) != px) {
+    return;
+  }
+  const I d = block_pixel<I>(idx, e, g, m);
   if (d >= 0) dst[d] = dst[d] + grad_blocks[i];
 }
 
 // --- sparse_scatter: tile element i combined into the map (tiles never overlap: one writer per element).
 // g: tile grid (size = tile, stride >= tile). out[t] = relu?(out[t] (+ if add) tile[i]); `out` starts as
 // base (a copy of it, or base itself for the in-place variant).
-template <typename T>
+template <typename I, typename T>
 SBNET_HD void scatter_element(int64_t i, const T* tiles, const int32_t* idx, T* out, const Grid& g, const Layout& m,
                               bool add, bool relu) {
-  const int64_t t = block_pixel(idx, block_elem(i, m.C, g.size_h, g.size_w, m.nhwc), g, m);
+  const I t = block_pixel<I>(idx, block_elem_of<I>(i, g, m), g, m);
   if (t < 0) return;
   T v = add ? T(out[t] + tiles[i]) : tiles[i];
   out[t] = relu ? relu_of(v) : v;
@@ -100,11 +117,11 @@ SBNET_HD void scatter_element(int64_t i, const T* tiles, const int32_t* idx, T* 
 //   grad_blocks[i] = grad_out[t] * on          (0 where the tile pixel lies outside the map)
 //   grad_base[t]   = add ? grad_out[t] * on : 0   (grad_base starts as a copy of grad_out; may be null)
 // where on = relu ? out_tiles[i] > 0 : 1.
-template <typename T>
+template <typename I, typename T>
 SBNET_HD void scatter_backward_element(int64_t i, const T* grad_out, const T* out_tiles, const int32_t* idx,
                                        T* grad_blocks, T* grad_base, const Grid& g, const Layout& m, bool add,
                                        bool relu) {
-  const int64_t t = block_pixel(idx, block_elem(i, m.C, g.size_h, g.size_w, m.nhwc), g, m);
+  const I t = block_pixel<I>(idx, block_elem_of<I>(i, g, m), g, m);
   const bool on = !relu || out_tiles[i] > T(0);
   if (grad_blocks != nullptr) grad_blocks[i] = (t < 0 || !on) ? T(0) : grad_out[t];
   if (grad_base != nullptr && t >= 0 && (!add || !on)) grad_base[t] = T(0);

@@ -15,14 +15,16 @@ in the summary and the later steps still run while budget is left:
 3. ``build``   the extension with CUDA (``detector.ops._library.build(with_cuda=True)``), MAX_JOBS = cores,
                TORCH_CUDA_ARCH_LIST = the device's capability (e.g. 9.0);
 4. ``pytest``  ``pytest -m gpu tests`` (junit XML to out/pytest_gpu.xml);
-5. ``bench_sparse`` and ``bench_model`` with ``device=cuda dtype=float32|bfloat16``: bench_sparse at 50 %
-   and 90 % sparsity (no spconv); bench_model on the dataset ``data`` with masks ``none,predicted`` (road_map and ground
-   masks need open3d), skipped when ``data`` holds no dataset.
+5. ``bench_sparse`` with ``device=cuda dtype=float32|bfloat16`` at 50 % and 90 % sparsity (no spconv), and
+   ``bench_model`` (float32) on the dataset ``data`` with masks ``none,predicted`` (road_map and ground masks
+   need open3d), skipped when ``data`` holds no dataset;
+6. ``profile`` ``scripts/profile_gpu.py``: the detector dense, sparse at a fixed tile and with the plan, timed
+   and profiled (kernels and host syncs per run, top operators) at bev=kitti and on make train's model.
 
 Output in ``out`` (default build/gpu_check/out), at most 8 files so that all of it comes back from the
 device machine: ``summary.json`` (per step: command, status passed/failed/timed_out/skipped, seconds,
-output tail), ``gpu_check.log`` (every step's output), ``pytest_gpu.xml``, and ``sparse_gpu.{json,md}``,
-``model_gpu.{json,md}`` (both dtypes in one file each: rows tagged with ``device`` and ``dtype``). Exit
+output tail), ``gpu_check.log`` (every step's output), ``pytest_gpu.xml``, ``sparse_gpu.{json,md}`` (both
+dtypes in one file: rows tagged with ``device`` and ``dtype``), ``model_gpu.{json,md}`` and ``profile_gpu.md``. Exit
 status 0 when every step passed.
 
 ``--dry-run``, and any run on a machine without a CUDA GPU (or without torch), checks the CPU-side
@@ -59,7 +61,8 @@ REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / "build" / "gpu_check"
 DTYPES = ("float32", "bfloat16")
 DEFAULTS = {"wheels": "", "out": str(WORK / "out"), "data": "data/gpu_check", "budget": 480}
-CAPS = {"probe": 60, "wheels": 60, "build": 240, "pytest": 180, "bench_sparse": 120, "bench_model": 150}
+CAPS = {"probe": 60, "wheels": 60, "build": 240, "pytest": 180, "bench_sparse": 120, "bench_model": 150,
+        "profile": 150}
 PROBE = (
     "import importlib.util as u, json, torch\n"
     "from torch.utils.cpp_extension import CUDA_HOME\n"
@@ -125,10 +128,12 @@ def plan(args: dict) -> list[dict]:
         steps.append({"name": f"bench_sparse[{dtype}]", "bench": "sparse", "dtype": dtype,
                       "cmd": [py, "scripts/bench_sparse.py", *base, "sparsity=0.5,0.9", "spconv=false",
                               f"out={work / f'sparse_gpu_{dtype}.json'}", f"md={work / f'sparse_gpu_{dtype}.md'}"]})
-        steps.append({"name": f"bench_model[{dtype}]", "bench": "model", "dtype": dtype,
-                      "skip": None if has_dataset(args["data"]) else f"no dataset at data={args['data']}",
-                      "cmd": [py, "scripts/bench_model.py", *base, f"root={args['data']}", "masks=none,predicted",
-                              f"out={work / f'model_gpu_{dtype}.json'}"]})
+    # the whole detector: float32 only (bfloat16 gave the same picture on the first H200 run, at 80 s a run)
+    steps.append({"name": "bench_model[float32]", "bench": "model", "dtype": "float32",
+                  "skip": None if has_dataset(args["data"]) else f"no dataset at data={args['data']}",
+                  "cmd": [py, "scripts/bench_model.py", "device=cuda", "dtype=float32", f"root={args['data']}",
+                          "masks=none,predicted", f"out={work / 'model_gpu_float32.json'}"]})
+    steps.append({"name": "profile", "cmd": [py, "scripts/profile_gpu.py", "device=cuda", f"out={out / 'profile_gpu.md'}"]})
     return steps
 
 
@@ -214,7 +219,7 @@ def merge_benches(steps: list[dict], results: list[dict], out: Path) -> list[str
         for s, r in zip(steps, results, strict=True):
             if s.get("bench") != bench or r["status"] != "passed":
                 continue
-            js = Path(s["cmd"][-1].partition("=")[2])
+            js = Path(next(a for a in s["cmd"] if a.startswith("out=")).partition("=")[2])
             if not js.is_file():
                 continue
             data = json.loads(js.read_text())

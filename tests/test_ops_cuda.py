@@ -267,17 +267,52 @@ def test_detector_forward_backward_on_gpu(device, exact_cuda):
     torch.testing.assert_close(sparse.heatmap, dense.heatmap, rtol=1e-4, atol=1e-4)
 
 
+# Each bad call runs in a child process: a crash there (the first H200 run of `make gpu-check` ended in a
+# segfault at the transposed-x call, its cause not known) fails this case with the child's output - Python's
+# faulthandler trace, and gdb's native backtrace where gdb is installed - instead of ending the whole run.
+BAD_CUDA_CALLS = {
+    "indices-on-cpu": ("torch.ops.sbnet.sparse_gather(x, idx, *geo)",
+                       "sbnet::sparse_gather: indices are on cpu but the data is on cuda"),
+    "x-transposed": ("torch.ops.sbnet.sparse_gather(x.transpose(2, 3), idx.cuda(), *geo)",
+                     "sbnet::sparse_gather: x must be contiguous in NCHW or channels-last"),
+    "blocks-not-channels-last": (
+        "torch.ops.sbnet.sparse_scatter_(torch.zeros((idx.shape[0], 3, *bp.obsize), device='cuda'), idx.cuda(), "
+        "x.contiguous(memory_format=torch.channels_last), bp.obsize, [0, 0], True, False)",
+        "sbnet::sparse_scatter_: blocks must be channels-last like its map"),
+}
+
+
+@pytest.mark.parametrize("call", list(BAD_CUDA_CALLS))
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=GPU)], indirect=True)
-def test_cuda_bad_input_names_the_op_and_argument(device):
-    bp = calc_block_params(*GEOMETRIES[0])
-    idx = _indices(bp, 2, 0.7, 15)
-    x = torch.zeros((2, 3, bp.in_h, bp.in_w), device=device)
-    geo = (bp.bsize, bp.bstride, bp.boffset)
-    with pytest.raises(RuntimeError, match="sbnet::sparse_gather: indices are on cpu but the data is on cuda"):
-        torch.ops.sbnet.sparse_gather(x, idx, *geo)
-    with pytest.raises(RuntimeError, match="sbnet::sparse_gather: x must be contiguous in NCHW or channels-last"):
-        torch.ops.sbnet.sparse_gather(x.transpose(2, 3), idx.to(device), *geo)
-    tiles = torch.zeros((idx.shape[0], 3, *bp.obsize), device=device)
-    with pytest.raises(RuntimeError, match="sbnet::sparse_scatter_: blocks must be channels-last like its map"):
-        torch.ops.sbnet.sparse_scatter_(tiles, idx.to(device), x.contiguous(memory_format=torch.channels_last),
-                                        bp.obsize, [0, 0], True, False)
+def test_cuda_bad_input_names_the_op_and_argument(device, call):
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    expr, message = BAD_CUDA_CALLS[call]
+    code = (
+        "import torch\n"
+        "from detector.ops import _library, calc_block_params\n"
+        "from tests.test_ops_cuda import GEOMETRIES, _indices\n"
+        "_library.load()\n"
+        "bp = calc_block_params(*GEOMETRIES[0])\n"
+        "idx = _indices(bp, 2, 0.7, 15)\n"
+        "x = torch.zeros((2, 3, bp.in_h, bp.in_w), device='cuda')\n"
+        "geo = (bp.bsize, bp.bstride, bp.boffset)\n"
+        "try:\n"
+        f"    {expr}\n"
+        "    print('NO ERROR RAISED')\n"
+        "except RuntimeError as e:\n"
+        "    print('RuntimeError:', str(e).splitlines()[0])\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    argv = [sys.executable, "-X", "faulthandler", "-c", code]
+    res = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=300)
+    out = res.stdout + res.stderr
+    if res.returncode != 0 and shutil.which("gdb"):  # a crash: its native backtrace too
+        gdb = subprocess.run(["gdb", "-q", "-batch", "-ex", "run", "-ex", "bt 40", "--args", *argv], cwd=root,
+                             capture_output=True, text=True, timeout=300)
+        out += "\n--- gdb ---\n" + gdb.stdout[-6000:] + gdb.stderr[-2000:]
+    assert res.returncode == 0, f"the bad call crashed the process (rc {res.returncode}):\n{out[-8000:]}"
+    assert f"RuntimeError: {message}" in res.stdout, out[-4000:]

@@ -40,6 +40,17 @@ def emu():
     return cuda_emulation.load()
 
 
+@pytest.fixture(params=["index32", "index64"])
+def index(request, monkeypatch):
+    """The bodies' index arithmetic: 32-bit (what every map here gets: its offsets fit) or forced 64-bit
+    (SBNET_EMU_INDEX64=1; the CUDA kernels take it for maps of 2^31 elements or more)."""
+    if request.param == "index64":
+        monkeypatch.setenv("SBNET_EMU_INDEX64", "1")
+    else:
+        monkeypatch.delenv("SBNET_EMU_INDEX64", raising=False)
+    return request.param
+
+
 def _fmt(layout: str) -> torch.memory_format:
     return torch.channels_last if layout == "nhwc" else torch.contiguous_format
 
@@ -90,7 +101,7 @@ def test_schemas_are_those_of_the_sbnet_library(emu):
 @pytest.mark.parametrize("geom", GEOMETRIES, ids=GEOM_IDS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_gather_and_its_adjoints(emu, geom, layout, dtype):
+def test_gather_and_its_adjoints(emu, index, geom, layout, dtype):
     bp, idx = _setup(geom)
     size = [N, C, bp.in_h, bp.in_w]
     x = _values(size, dtype, 1, layout)
@@ -112,7 +123,7 @@ def test_gather_and_its_adjoints(emu, geom, layout, dtype):
 @pytest.mark.parametrize("geom", GEOMETRIES, ids=GEOM_IDS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_scatter_write_add_relu_and_in_place(emu, geom, layout, dtype):
+def test_scatter_write_add_relu_and_in_place(emu, index, geom, layout, dtype):
     bp, idx = _setup(geom)
     blocks = _values([idx.shape[0], C, bp.obsize_h, bp.obsize_w], dtype, 4, layout)
     base = _values([N, C, bp.out_h, bp.out_w], dtype, 5, layout)
@@ -131,7 +142,7 @@ def test_scatter_write_add_relu_and_in_place(emu, geom, layout, dtype):
 @pytest.mark.parametrize("geom", GEOMETRIES, ids=GEOM_IDS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_scatter_backward_is_the_reference_gradient(emu, geom, layout, dtype):
+def test_scatter_backward_is_the_reference_gradient(emu, index, geom, layout, dtype):
     bp, idx = _setup(geom)
     blocks = _values([idx.shape[0], C, bp.obsize_h, bp.obsize_w], dtype, 6, layout).requires_grad_()
     base = _values([N, C, bp.out_h, bp.out_w], dtype, 7, layout).requires_grad_()

@@ -42,7 +42,8 @@ def test_dry_run_checks_the_preparation_and_prints_the_plan(tmp_path):
            f"--junitxml={tmp_path / 'out' / 'pytest_gpu.xml'} tests" in text
     for dtype in ("float32", "bfloat16"):
         assert f"scripts/bench_sparse.py device=cuda dtype={dtype}" in text
-        assert f"scripts/bench_model.py device=cuda dtype={dtype}" in text
+    assert "scripts/bench_model.py device=cuda dtype=float32" in text
+    assert f"scripts/profile_gpu.py device=cuda out={tmp_path / 'out' / 'profile_gpu.md'}" in text
     assert "masks=none,predicted" in text  # the road_map and ground masks need open3d
     assert (tmp_path / "out").is_dir()
 
@@ -85,7 +86,9 @@ def test_merge_benches_tags_rows_with_device_and_dtype(gpu_check, tmp_path):
         js = tmp_path / f"sparse_gpu_{dtype}.json"
         js.write_text(json.dumps([{"layer": "conv3x3", "speedup": 2.0}]))
         js.with_suffix(".md").write_text(f"| table {dtype} |\n")
-        steps.append({"name": f"bench_sparse[{dtype}]", "bench": "sparse", "dtype": dtype, "cmd": ["x", f"out={js}"]})
+        # as the real step: out= is not the last argument (md= follows it)
+        steps.append({"name": f"bench_sparse[{dtype}]", "bench": "sparse", "dtype": dtype,
+                      "cmd": ["x", f"out={js}", f"md={js.with_suffix('.md')}"]})
         results.append({"status": "passed"})
     steps.append({"name": "bench_model[float32]", "bench": "model", "dtype": "float32", "cmd": ["x", "out=/nope"]})
     results.append({"status": "timed_out"})

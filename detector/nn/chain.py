@@ -47,7 +47,7 @@ transient memory does not grow with the batch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -59,7 +59,7 @@ from detector.ops.blocks import pair
 
 from .block_pass import BlockPass
 from .chunked import run_chunked
-from .geometry import BlockSpan, ChainGeometry, ConvSpec, chain_geometry, level_masks
+from .geometry import BlockSpan, ChainGeometry, ConvSpec, Level, LevelMasks, chain_geometry, level_masks
 from .norm import (
     needs_sync,
     running_scale_shift,
@@ -73,16 +73,37 @@ __all__ = ["ActiveBlocks", "Shortcut", "SparseConvChain", "zeros_in_layout"]
 Shortcut = Literal["identity", "projection", "none"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ActiveBlocks:
-    """Active blocks of a sparse layer: ``indices`` int32 ``[K, 3]`` (n, by, bx) on the ``block`` grid."""
+    """Active blocks of a sparse layer: ``indices`` int32 ``[K, 3]`` (n, by, bx) on the ``block`` grid.
+
+    The units of a stage share one ActiveBlocks (same indices, same geometry), and so share its level
+    masks: :meth:`level_masks` builds each level's once (a host sync or two each) and keeps them."""
 
     indices: torch.Tensor
     block: BlockParams
+    _masks: dict[Level, LevelMasks] = field(default_factory=dict, init=False, repr=False)
+    _span: list[BlockSpan] = field(default_factory=list, init=False, repr=False)
 
     @property
     def count(self) -> int:
         return int(self.indices.shape[0])
+
+    def level_masks(self, levels: Sequence[Level]) -> list[LevelMasks]:
+        """:func:`~detector.nn.geometry.level_masks` of these blocks at each of ``levels``, built once per
+        level (traced - torch.compile / torch.export - they are built each time, without a span)."""
+        if torch.compiler.is_compiling():
+            return [level_masks(self.indices, lv) for lv in levels]
+        if not self._span and self.count:
+            self._span.append(BlockSpan.of(self.indices))
+        span = self._span[0] if self._span else None
+        out = []
+        for lv in levels:
+            m = self._masks.get(lv)
+            if m is None:
+                m = self._masks[lv] = level_masks(self.indices, lv, span)
+            out.append(m)
+        return out
 
 
 def zeros_in_layout(x: torch.Tensor, shape: tuple[int, int, int, int]) -> torch.Tensor:
@@ -297,10 +318,10 @@ class SparseConvChain(nn.Module):
             return base if tie is None else base + tie
         chunk = self.chunk_blocks(geo, x.element_size())
         idx_chunks = [idx] if traced else [idx[s : s + chunk] for s in range(0, blocks.count, chunk)]
-        masks = []
-        for ic in idx_chunks:
-            span = None if traced else BlockSpan.of(ic)
-            masks.append([level_masks(ic, lv, span) for lv in geo.levels])
+        if len(idx_chunks) == 1:
+            masks = [blocks.level_masks(geo.levels)]
+        else:
+            masks = [ActiveBlocks(ic, geo.block).level_masks(geo.levels) for ic in idx_chunks]
         if len(idx_chunks) > 1:
             return run_chunked(self, x, base, idx, idx_chunks, masks, geo, add=identity and self.preact)
 

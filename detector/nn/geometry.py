@@ -111,22 +111,6 @@ def chain_geometry(H: int, W: int, convs: tuple[ConvSpec, ...], tile: int | tupl
     return ChainGeometry(block=block, levels=levels)
 
 
-@dataclass(frozen=True)
-class LevelMasks:
-    """Per-block validity at one level for a set of active blocks.
-
-    ``outside``: the block pixels outside the level's map, as indices into the ``[K * e_h * e_w]`` block
-    pixels in (block, row, column) order, or None
-    when every pixel of every block does. ``region``: the in-map tile-region pixels as indices into the
-    ``[K * R_h * R_w]`` region pixels in (block, row, column) order, or None when all are in the map.
-    ``count``: number of in-map tile-region pixels.
-    """
-
-    outside: torch.Tensor | None
-    region: torch.Tensor | None
-    count: int
-
-
 def _axis_valid(start: torch.Tensor, length: int, limit: int) -> torch.Tensor:
     pos = start[:, None] + torch.arange(length, device=start.device)
     return (pos >= 0) & (pos < limit)
@@ -150,40 +134,76 @@ class BlockSpan:
         return BlockSpan(a, b, c, d)
 
 
+class LevelMasks:
+    """Per-block validity at one level for a set of active blocks.
+
+    ``outside``: the block pixels outside the level's map, as indices into the ``[K * e_h * e_w]`` block
+    pixels in (block, row, column) order, or None when every pixel of every block is inside it.
+    ``region``: the in-map tile-region pixels as indices into the ``[K * R_h * R_w]`` region pixels in
+    (block, row, column) order, or None when all are in the map. ``count``: number of in-map tile-region
+    pixels. Given as values, or (:func:`level_masks`) built from the blocks on first use: ``outside`` is
+    read only before a ``k > 1`` convolution, ``region`` and ``count`` only by batch statistics, and
+    building one costs a few small kernels and a host sync or two.
+    """
+
+    def __init__(self, outside: torch.Tensor | None = None, region: torch.Tensor | None = None, count: int = 0,
+                 *, blocks: tuple[torch.Tensor, Level, BlockSpan | None] | None = None) -> None:
+        self._blocks = blocks
+        self._outside = None if blocks is not None else (outside,)
+        self._region = None if blocks is not None else (region, count)
+
+    @property
+    def outside(self) -> torch.Tensor | None:
+        if self._outside is None:
+            self._outside = (_outside_pixels(*self._blocks),)
+        return self._outside[0]
+
+    @property
+    def region(self) -> torch.Tensor | None:
+        if self._region is None:
+            self._region = _region_pixels(*self._blocks)
+        return self._region[0]
+
+    @property
+    def count(self) -> int:
+        if self._region is None:
+            self._region = _region_pixels(*self._blocks)
+        return self._region[1]
+
+
+def _outside_pixels(indices: torch.Tensor, level: Level, span: BlockSpan | None) -> torch.Tensor | None:
+    (eh, ew), (ph, pw), (rh, rw), (H, W) = level.extent, level.offset, level.region, level.map_size
+    if span is not None and (span.by_min * rh - ph >= 0 and span.by_max * rh - ph + eh <= H
+                             and span.bx_min * rw - pw >= 0 and span.bx_max * rw - pw + ew <= W):
+        return None  # every block's halo lies inside the map
+    vy = _axis_valid(indices[:, 1].long() * rh - ph, eh, H)
+    vx = _axis_valid(indices[:, 2].long() * rw - pw, ew, W)
+    return (~(vy[:, :, None] & vx[:, None, :])).reshape(-1).nonzero().flatten()
+
+
+def _region_pixels(indices: torch.Tensor, level: Level, span: BlockSpan | None) -> tuple[torch.Tensor | None, int]:
+    (rh, rw), (H, W) = level.region, level.map_size
+    if span is not None and span.by_max * rh + rh <= H and span.bx_max * rw + rw <= W:
+        return None, int(indices.shape[0]) * rh * rw
+    ry = _axis_valid(indices[:, 1].long() * rh, rh, H)  # only the bottom/right map border can clip a tile region
+    rx = _axis_valid(indices[:, 2].long() * rw, rw, W)
+    region = (ry[:, :, None] & rx[:, None, :]).reshape(-1).nonzero().flatten()
+    traced = torch.compiler.is_compiling()
+    return region, region.shape[0] if traced else int((ry.sum(1) * rx.sum(1)).sum())
+
+
 def level_masks(indices: torch.Tensor, level: Level, span: BlockSpan | None = None) -> LevelMasks:
-    """Validity masks of the blocks at ``indices`` ([K, 3] rows n, by, bx) at ``level``.
+    """Validity masks of the blocks at ``indices`` ([K, 3] rows n, by, bx) at ``level``, each built on first use.
 
     ``span`` (from :meth:`BlockSpan.of`) lets the common case - no block near the map border - skip
     building any mask. Traced (torch.compile / torch.export) there is no span (it costs a host sync): both
-    masks are built from the indices, whatever K, and ``count`` is the region's (symbolic) length.
+    masks are built at once from the indices, whatever K, and ``count`` is the region's (symbolic) length.
     """
-    traced = torch.compiler.is_compiling()
-    if not traced and int(indices.shape[0]) == 0:
+    if torch.compiler.is_compiling():
+        return LevelMasks(_outside_pixels(indices, level, None), *_region_pixels(indices, level, None))
+    if int(indices.shape[0]) == 0:
         return LevelMasks(outside=None, region=None, count=0)
-    if span is None and not traced:
-        span = BlockSpan.of(indices)
-    (eh, ew), (ph, pw), (rh, rw), (H, W) = level.extent, level.offset, level.region, level.map_size
-    block_inside = span is not None and (
-        span.by_min * rh - ph >= 0
-        and span.by_max * rh - ph + eh <= H
-        and span.bx_min * rw - pw >= 0
-        and span.bx_max * rw - pw + ew <= W
-    )
-    region_inside = span is not None and span.by_max * rh + rh <= H and span.bx_max * rw + rw <= W
-    by = indices[:, 1].long()
-    bx = indices[:, 2].long()
-    outside = None
-    if not block_inside:  # the halo may stick out on any side
-        vy = _axis_valid(by * rh - ph, eh, H)
-        vx = _axis_valid(bx * rw - pw, ew, W)
-        outside = (~(vy[:, :, None] & vx[:, None, :])).reshape(-1).nonzero().flatten()
-    if region_inside:
-        return LevelMasks(outside=outside, region=None, count=int(indices.shape[0]) * rh * rw)
-    ry = _axis_valid(by * rh, rh, H)  # only the bottom/right map border can clip a tile region
-    rx = _axis_valid(bx * rw, rw, W)
-    region = (ry[:, :, None] & rx[:, None, :]).reshape(-1).nonzero().flatten()
-    count = region.shape[0] if traced else int((ry.sum(1) * rx.sum(1)).sum())
-    return LevelMasks(outside=outside, region=region, count=count)
+    return LevelMasks(blocks=(indices, level, BlockSpan.of(indices) if span is None else span))
 
 
 def zero_pixels(t: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:

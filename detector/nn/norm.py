@@ -101,11 +101,14 @@ class _RegionBatchNorm(torch.autograd.Function):
         ctx.save_for_backward(z, weight, mean, inv)
         ctx.level, ctx.masks = level, masks
         ctx.mark_non_differentiable(mean, var)
+        ctx.set_materialize_grads(False)  # no zero gradients made for mean and var
         return y, mean, var
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g, _mean_grad, _var_grad):
+        if g is None:  # y not used (grads are not materialized): nothing flows back
+            return None, None, None, None, None, None
         z, weight, mean, inv = ctx.saved_tensors
         level, masks = ctx.level, ctx.masks
         (ph, pw), (rh, rw) = level.offset, level.region

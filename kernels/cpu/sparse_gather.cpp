@@ -104,13 +104,13 @@ void gather_backward_impl(const char* op, const at::Tensor& grad_blocks, const a
         scalar_t* plane = out + q * H * W * E;
         if (zero_fill) std::memset(plane + r0 * W * E, 0, sizeof(scalar_t) * (r1 - r0) * W * E);
         for (int64_t py = 0; py < P; ++py) {
-          const int64_t by = j - P + 1 + phase_of(py - (j - P + 1), P);  // the by in [j-P+1, j] of phase py
+          const int64_t by = j - P + 1 + phase_of<int64_t>(py - (j - P + 1), P);  // the by in [j-P+1, j] of phase py
           int64_t lo, hi;
           bands.range(n, by, lo, hi);
           for (int64_t px = 0; px < Q; ++px) {
             for (int64_t i = lo; i < hi; ++i) {
               const int64_t k = bands.blocks[i];
-              if (phase_of(ip[3 * k + 2], Q) != px) continue;
+              if (phase_of<int64_t>(ip[3 * k + 2], Q) != px) continue;
               const int64_t top = g.offset_h + by * g.stride_h, left = g.offset_w + ip[3 * k + 2] * g.stride_w;
               int64_t y0, y1, x0, x1;
               clip(top, bh, H, y0, y1);

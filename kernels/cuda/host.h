@@ -7,6 +7,7 @@
 //     using Guard = ...;                       // device guard, constructed from a c10::Device
 //     template <class F>
 //     static void launch(int64_t total, const F& f);  // one kernel: f(i) for every i in [0, total)
+//     static bool index64();                            // force 64-bit index arithmetic (with_index_type)
 //   };
 //
 // cuda/launch.cuh's CudaExec launches a grid-stride loop (SBNET_KERNEL_LOOP) on the current stream;
@@ -24,6 +25,7 @@
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <initializer_list>
 
 #include "common.h"
 #include "elements.h"
@@ -52,6 +54,20 @@ inline void check_like(const char* op, const char* name, const at::Tensor& t, co
 inline void check_blocks(const char* op, const char* name, const at::Tensor& blocks, int64_t K, int64_t C) {
   TORCH_CHECK(blocks.size(0) == K && blocks.size(1) == C, op, ": ", name, " ", blocks.sizes(), " does not match ",
               K, " indices and the map's ", C, " channels");
+}
+
+// Calls fn(I{}) with the index type of a launch's element bodies (elements.h): int32_t when every offset
+// it computes (elements of the launch and of the maps it reads or writes) stays below 2^31, else int64_t.
+// Exec::index64() forces int64_t (the emulator's SBNET_EMU_INDEX64=1, so that the tests cover both).
+template <class Exec, class Fn>
+void with_index_type(std::initializer_list<int64_t> numels, const Fn& fn) {
+  int64_t most = 0;
+  for (const int64_t n : numels) most = n > most ? n : most;
+  if (most < (int64_t{1} << 31) && !Exec::index64()) {
+    fn(int32_t{0});
+  } else {
+    fn(int64_t{0});
+  }
 }
 
 inline Layout layout_of(c10::IntArrayRef size, bool nhwc) {

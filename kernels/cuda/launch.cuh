@@ -46,6 +46,8 @@ struct CudaExec {
     loop_kernel<F><<<blocks_for(total), kThreads, 0, current_stream()>>>(total, f);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
+
+  static bool index64() { return false; }
 };
 
 }  // namespace sbnet

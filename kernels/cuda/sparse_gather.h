@@ -13,17 +13,17 @@
 namespace sbnet {
 namespace plan {
 
-template <typename T>
+template <typename T, typename I>
 struct GatherFn {
   const T* x;
   const int32_t* idx;
   T* out;
   Grid g;
   Layout m;
-  SBNET_HD void operator()(int64_t i) const { gather_element(i, x, idx, out, g, m); }
+  SBNET_HD void operator()(int64_t i) const { gather_element<I>(i, x, idx, out, g, m); }
 };
 
-template <typename T>
+template <typename T, typename I>
 struct GatherBackwardFn {
   const T* grad_blocks;
   const int32_t* idx;
@@ -31,7 +31,9 @@ struct GatherBackwardFn {
   Grid g;
   Layout m;
   int64_t P, Q, py, px;
-  SBNET_HD void operator()(int64_t i) const { gather_backward_element(i, grad_blocks, idx, dst, g, m, P, Q, py, px); }
+  SBNET_HD void operator()(int64_t i) const {
+    gather_backward_element<I>(i, grad_blocks, idx, dst, g, m, P, Q, py, px);
+  }
 };
 
 template <class Exec>
@@ -50,8 +52,10 @@ at::Tensor sparse_gather(const at::Tensor& x, const at::Tensor& indices, c10::In
   const int64_t total = out.numel();
   if (total == 0) return out;
   SBNET_DISPATCH_FLOAT(x.scalar_type(), "sbnet::sparse_gather", [&] {
-    Exec::launch(total, GatherFn<scalar_t>{x.const_data_ptr<scalar_t>(), idx.const_data_ptr<int32_t>(),
-                                           out.mutable_data_ptr<scalar_t>(), g, m});
+    with_index_type<Exec>({total, x.numel()}, [&](auto index) {
+      Exec::launch(total, GatherFn<scalar_t, decltype(index)>{x.const_data_ptr<scalar_t>(), idx.const_data_ptr<int32_t>(),
+                                                              out.mutable_data_ptr<scalar_t>(), g, m});
+    });
   });
   return out;
 }
@@ -64,13 +68,15 @@ void add_blocks(const at::Tensor& grad_blocks, const at::Tensor& idx, const at::
   if (total == 0) return;
   const int64_t P = num_phases(g.size_h, g.stride_h), Q = num_phases(g.size_w, g.stride_w);
   SBNET_DISPATCH_FLOAT(grad_blocks.scalar_type(), "sbnet::sparse_gather_backward", [&] {
-    for (int64_t py = 0; py < P; ++py) {
-      for (int64_t px = 0; px < Q; ++px) {
-        Exec::launch(total, GatherBackwardFn<scalar_t>{grad_blocks.const_data_ptr<scalar_t>(),
-                                                       idx.const_data_ptr<int32_t>(),
-                                                       dst.mutable_data_ptr<scalar_t>(), g, m, P, Q, py, px});
+    with_index_type<Exec>({total, dst.numel()}, [&](auto index) {
+      for (int64_t py = 0; py < P; ++py) {
+        for (int64_t px = 0; px < Q; ++px) {
+          Exec::launch(total, GatherBackwardFn<scalar_t, decltype(index)>{
+                                  grad_blocks.const_data_ptr<scalar_t>(), idx.const_data_ptr<int32_t>(),
+                                  dst.mutable_data_ptr<scalar_t>(), g, m, P, Q, py, px});
+        }
       }
-    }
+    });
   });
 }
 

@@ -16,7 +16,7 @@
 namespace sbnet {
 namespace plan {
 
-template <typename T>
+template <typename T, typename I>
 struct ScatterFn {
   const T* tiles;
   const int32_t* idx;
@@ -24,10 +24,10 @@ struct ScatterFn {
   Grid g;
   Layout m;
   bool add, relu;
-  SBNET_HD void operator()(int64_t i) const { scatter_element(i, tiles, idx, out, g, m, add, relu); }
+  SBNET_HD void operator()(int64_t i) const { scatter_element<I>(i, tiles, idx, out, g, m, add, relu); }
 };
 
-template <typename T>
+template <typename T, typename I>
 struct ScatterBackwardFn {
   const T* grad_out;
   const T* out_tiles;  // null without relu
@@ -38,7 +38,7 @@ struct ScatterBackwardFn {
   Layout m;
   bool add, relu;
   SBNET_HD void operator()(int64_t i) const {
-    scatter_backward_element(i, grad_out, out_tiles, idx, grad_blocks, grad_base, g, m, add, relu);
+    scatter_backward_element<I>(i, grad_out, out_tiles, idx, grad_blocks, grad_base, g, m, add, relu);
   }
 };
 
@@ -71,8 +71,11 @@ void write_tiles(const at::Tensor& blocks, const at::Tensor& indices, const at::
   if (total == 0) return;
   const at::Tensor idx = indices.contiguous();
   SBNET_DISPATCH_FLOAT(blocks.scalar_type(), "sbnet::sparse_scatter", [&] {
-    Exec::launch(total, ScatterFn<scalar_t>{blocks.const_data_ptr<scalar_t>(), idx.const_data_ptr<int32_t>(),
-                                            out.mutable_data_ptr<scalar_t>(), g, m, add, relu});
+    with_index_type<Exec>({total, out.numel()}, [&](auto index) {
+      Exec::launch(total, ScatterFn<scalar_t, decltype(index)>{blocks.const_data_ptr<scalar_t>(),
+                                                               idx.const_data_ptr<int32_t>(),
+                                                               out.mutable_data_ptr<scalar_t>(), g, m, add, relu});
+    });
   });
 }
 
@@ -133,11 +136,13 @@ std::tuple<at::Tensor, at::Tensor> sparse_scatter_backward(const at::Tensor& gra
   const at::Tensor idx = indices.contiguous();
   const Layout m = layout_of(grad_out.sizes(), nhwc);
   SBNET_DISPATCH_FLOAT(grad_out.scalar_type(), "sbnet::sparse_scatter_backward", [&] {
-    Exec::launch(total, ScatterBackwardFn<scalar_t>{
-                            grad_out.const_data_ptr<scalar_t>(), on ? on->const_data_ptr<scalar_t>() : nullptr,
-                            idx.const_data_ptr<int32_t>(),
-                            need_blocks ? grad_blocks.mutable_data_ptr<scalar_t>() : nullptr,
-                            base_changes ? grad_base.mutable_data_ptr<scalar_t>() : nullptr, g, m, add, relu});
+    with_index_type<Exec>({total, grad_out.numel()}, [&](auto index) {
+      Exec::launch(total, ScatterBackwardFn<scalar_t, decltype(index)>{
+                              grad_out.const_data_ptr<scalar_t>(), on ? on->const_data_ptr<scalar_t>() : nullptr,
+                              idx.const_data_ptr<int32_t>(),
+                              need_blocks ? grad_blocks.mutable_data_ptr<scalar_t>() : nullptr,
+                              base_changes ? grad_base.mutable_data_ptr<scalar_t>() : nullptr, g, m, add, relu});
+    });
   });
   return {grad_blocks, grad_base};
 }

@@ -39,6 +39,12 @@ struct EmuExec {
       for (int64_t i = 0; i < total; ++i) f(i);
     }
   }
+
+  // SBNET_EMU_INDEX64=1: the bodies' 64-bit index arithmetic even where 32 bits suffice (host.h).
+  static bool index64() {
+    const char* v = std::getenv("SBNET_EMU_INDEX64");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }
 };
 
 }  // namespace emulate
