@@ -66,6 +66,8 @@ def test_ops_equal_the_reference(device, layout, dtype, geom):
     for avgpool in (False, True):
         idx = ops.reduce_mask(mask.to(device), bp, 0.25, avgpool)
         assert idx.device.type == device
+        # row-major like the CPU's (CUDA's nonzero is column-major): the ops then take it as it is, unchecked
+        assert idx.is_contiguous() and ops.functional._known_valid(idx, (2, bp.bcount_h, bp.bcount_w))
         assert torch.equal(idx.cpu(), reference.reduce_mask(mask, bp, 0.25, avgpool))
     idx = _indices(bp, 2, 0.7, 1)
     x = _values((2, 5, bp.in_h, bp.in_w), dtype, 2)

@@ -172,7 +172,7 @@ def test_reduce_mask(emu, geom, dtype):
         for tol in (0.0, 0.125, 0.25, 0.5):  # means and maxima land exactly on these (strict >)
             expected = reference.reduce_mask(mask, bp, tol, avgpool)
             got = emu.reduce_mask(mask, bp.bsize, bp.bstride, bp.boffset, bp.bcount, tol, avgpool)
-            assert got.dtype == torch.int32 and torch.equal(got, expected), (avgpool, tol)
+            assert got.dtype == torch.int32 and got.is_contiguous() and torch.equal(got, expected), (avgpool, tol)
     cl = mask.contiguous(memory_format=torch.channels_last)
     assert torch.equal(emu.reduce_mask(cl, bp.bsize, bp.bstride, bp.boffset, bp.bcount, 0.1, True),
                        reference.reduce_mask(mask, bp, 0.1, True))
