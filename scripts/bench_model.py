@@ -243,8 +243,9 @@ def main(argv=None) -> int:
             md.append(f"| {r['mask']} | {r['batch']} | {r['ms_per_frame']:.1f} | {r['sparsity']:.3f} | "
                       f"{r['speedup_vs_dense']:.2f}x | {r['mac_ratio']:.2f} | {r['mac_bound']:.2f} "
                       f"({speedup(r['mac_bound'])}) | {shares} | {stages} | {tiles} |")
+        where = "GPU" if args["device"].startswith("cuda") else "CPU"
         out.with_suffix(".md").write_text(
-            f"# Detector inference on the CPU\n\n`{meta['command']}` — bev={args['bev']}, arch={args['arch']}, "
+            f"# Detector inference on the {where}\n\n`{meta['command']}` — bev={args['bev']}, arch={args['arch']}, "
             f"{meta['machine']}, torch {meta['torch']}, {meta['threads']} threads, load {meta['load_avg']}, "
             f"allocator {meta['env']}.\n\n" + "\n".join(md) + "\n")
         print(f"wrote {out} and {out.with_suffix('.md')}")

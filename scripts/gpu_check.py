@@ -133,7 +133,8 @@ def plan(args: dict) -> list[dict]:
                   "skip": None if has_dataset(args["data"]) else f"no dataset at data={args['data']}",
                   "cmd": [py, "scripts/bench_model.py", "device=cuda", "dtype=float32", f"root={args['data']}",
                           "masks=none,predicted", f"out={work / 'model_gpu_float32.json'}"]})
-    steps.append({"name": "profile", "cmd": [py, "scripts/profile_gpu.py", "device=cuda", f"out={out / 'profile_gpu.md'}"]})
+    steps.append({"name": "profile",
+                  "cmd": [py, "scripts/profile_gpu.py", "device=cuda", f"out={out / 'profile_gpu.md'}"]})
     return steps
 
 

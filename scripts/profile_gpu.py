@@ -98,7 +98,8 @@ def measure(label: str, model, bev, mask, train: bool, reps: int, device: str) -
     plan = getattr(out, "plan", None)
     row = {"label": label, "ms": round(statistics.median(times), 2), "ms_min": round(min(times), 2),
            "kernels": launches, "syncs": syncs,
-           "plan": None if plan is None else " ".join(f"{n}:{c}" for n, c in zip(plan.names, plan.choices, strict=True)),
+           "plan": None if plan is None else " ".join(f"{n}:{c}" for n, c in zip(plan.names, plan.choices,
+                                                                                   strict=True)),
            "top_device": [], "top_host": []}
     if cuda:
         for e in sorted(events, key=lambda e: -getattr(e, dev_attr))[:12]:

@@ -139,3 +139,25 @@ def test_installed_entry_point_trains_and_evaluates(venv, tmp_path):
               f"paths.output_dir={tmp_path / 'eval'}"], cwd=tmp_path, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "eval" / "metrics.json").is_file()
+
+
+def test_a_cuda_only_edit_leaves_the_cpu_library_up_to_date(tmp_path):
+    """The CPU-only library depends on kernels/ outside cuda/ and emulate/: editing a CUDA file must not make
+    `import detector` treat it as stale (ninja would not relink it, and saved programs would stop loading)."""
+    from detector.ops import _library
+
+    src = tmp_path / "kernels"
+    for rel in ("common.h", "cpu/a.cpp", "cuda/b.cu", "emulate/c.cpp"):
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text("//\n")
+        os.utime(src / rel, (1000, 1000))
+    lib = tmp_path / "lib.so"
+    lib.write_bytes(b"")
+    os.utime(lib, (2000, 2000))
+    assert not _library._stale(lib, src, with_cuda=False) and not _library._stale(lib, src, with_cuda=True)
+    for rel in ("cuda/b.cu", "emulate/c.cpp"):
+        os.utime(src / rel, (3000, 3000))
+        assert not _library._stale(lib, src, with_cuda=False) and _library._stale(lib, src, with_cuda=True)
+    os.utime(src / "common.h", (3000, 3000))
+    assert _library._stale(lib, src, with_cuda=False)
+    assert _library._stale(tmp_path / "missing.so", src, with_cuda=False)

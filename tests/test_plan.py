@@ -59,6 +59,31 @@ def test_choice_follows_the_cost_rule():
     assert choose([fixed], flat_cost(), training=False).choices == (16,)
 
 
+def test_a_stage_no_count_could_make_sparse_is_not_measured(monkeypatch):
+    """With 1 s per sparse unit no count of active blocks - not even none - makes a candidate cheaper than dense
+    (a sparse estimate only grows with its blocks), so the stage is not measured (no reduce_mask) and the plan is
+    the unpruned one: dense. Without fixed costs a candidate can win, so the stage is measured as before."""
+    import detector.nn.plan as plan_mod
+
+    calls = []
+    real = plan_mod.reduce_mask
+    monkeypatch.setattr(plan_mod, "reduce_mask", lambda *a, **k: calls.append(1) or real(*a, **k))
+    units = conv_stage()
+    one_px = torch.zeros(1, 1, 64, 64)
+    one_px[0, 0, 30, 30] = 1
+    costly = flat_cost(unit_s=1.0)
+    full = measure("conv", "auto", units, (1, 64, 64), one_px, None, (8, 16))
+    assert len(calls) == 2
+    pruned = measure("conv", "auto", units, (1, 64, 64), one_px, None, (8, 16), prune=(costly, True))
+    assert len(calls) == 2 and pruned.counts == ()  # nothing measured
+    assert choose([pruned], costly, training=True).choices == choose([full], costly, training=True).choices == (DENSE,)
+    kept = measure("conv", "auto", units, (1, 64, 64), one_px, None, (8, 16), prune=(flat_cost(), False))
+    assert len(calls) == 4 and kept.counts == full.counts
+    assert choose([kept], flat_cost(), training=False).choices == (8,)
+    fixed = measure("conv", 16, units, (1, 64, 64), one_px, None, (8, 16), prune=(costly, True))  # a set tile
+    assert fixed.counts == ((16, 1, 0),)
+
+
 def test_mac_counts_and_bound_follow_the_halo_rule():
     """Counted by hand: a 3x3 conv 8 -> 8 on a 1 x 64 x 64 map is 64*64*8*8*9 MACs dense; sparse, each active
     8-px tile convolves its 8 x 8 output from a 10 x 10 block (8*8*8*8*9), and two chained 3x3 convs convolve a

@@ -264,7 +264,8 @@ def _final_weights(ckpt: Path) -> dict[str, torch.Tensor]:
 def test_resume_continues_exactly(tmp_path, tiny_root):
     """4 steps straight == 2 steps, stop, resume from the step-2 checkpoint, 2 more steps; the mask's warm-up ends
     after step 3, in the resumed part (the step it counts is restored with the checkpoint)."""
-    common = ["trainer.max_steps=4", "mask.warmup_steps=3", "trainer.max_epochs=-1", "callbacks.model_checkpoint.monitor=null",
+    common = ["trainer.max_steps=4", "mask.warmup_steps=3", "trainer.max_epochs=-1",
+              "callbacks.model_checkpoint.monitor=null",
               "callbacks.model_checkpoint.every_n_train_steps=2", "callbacks.model_checkpoint.save_top_k=-1",
               "evaluate_after=false", "logger=none", "trainer.limit_val_batches=0", "data.batch_size=1"]
     straight = train(_cfg(tmp_path / "a", tiny_root, *common))

@@ -231,11 +231,13 @@ class BevDetector(nn.Module):
             return fixed, None
         inputs = bb.plan_inputs(x_shape, mask)
         N, cands = x_shape[0], bb.planner.candidates
+        prune = bb.planner.prune(mask.device, mask.dtype, self.training)
         for j, chain in enumerate(self.neck.smooth):
             hw = inputs[self.neck.use[j] + 1].rest_hw
-            inputs.append(measure(f"neck_s{self.neck.strides[j]}", hbs, [chain], (N, *hw), level_masks[j], None, cands))
+            inputs.append(measure(f"neck_s{self.neck.strides[j]}", hbs, [chain], (N, *hw), level_masks[j], None, cands,
+                                  prune))
         hw = inputs[len(bb.stages)].shape[1:]
-        inputs.append(measure("head", hbs, [self.head.tower], (N, *hw), level_masks[0], None, cands))
+        inputs.append(measure("head", hbs, [self.head.tower], (N, *hw), level_masks[0], None, cands, prune))
         plan = bb.planner.decide(inputs, mask.device, mask.dtype, self.training)
         return list(plan.choices), plan
 

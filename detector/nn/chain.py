@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 import torch
@@ -83,27 +84,25 @@ class ActiveBlocks:
     indices: torch.Tensor
     block: BlockParams
     _masks: dict[Level, LevelMasks] = field(default_factory=dict, init=False, repr=False)
-    _span: list[BlockSpan] = field(default_factory=list, init=False, repr=False)
 
     @property
     def count(self) -> int:
         return int(self.indices.shape[0])
+
+    @cached_property
+    def span(self) -> BlockSpan | None:
+        """The blocks' row/column range (one host sync, once), None without blocks."""
+        return BlockSpan.of(self.indices) if self.count else None
 
     def level_masks(self, levels: Sequence[Level]) -> list[LevelMasks]:
         """:func:`~detector.nn.geometry.level_masks` of these blocks at each of ``levels``, built once per
         level (traced - torch.compile / torch.export - they are built each time, without a span)."""
         if torch.compiler.is_compiling():
             return [level_masks(self.indices, lv) for lv in levels]
-        if not self._span and self.count:
-            self._span.append(BlockSpan.of(self.indices))
-        span = self._span[0] if self._span else None
-        out = []
         for lv in levels:
-            m = self._masks.get(lv)
-            if m is None:
-                m = self._masks[lv] = level_masks(self.indices, lv, span)
-            out.append(m)
-        return out
+            if lv not in self._masks:
+                self._masks[lv] = level_masks(self.indices, lv, self.span)
+        return [self._masks[lv] for lv in levels]
 
 
 def zeros_in_layout(x: torch.Tensor, shape: tuple[int, int, int, int]) -> torch.Tensor:

@@ -107,14 +107,25 @@ class Plan:
 
 
 def measure(name: str, setting: int | str, units: Sequence, x_shape: Sequence[int], mask_first: torch.Tensor | None,
-            mask_rest: torch.Tensor | None, candidates: Sequence[int]) -> StageInput:
+            mask_rest: torch.Tensor | None, candidates: Sequence[int], prune: tuple[CostModel, bool] | None = None
+            ) -> StageInput:
     """The plan input of one stage: active blocks per candidate tile (only the set tile for an int
     setting; none for dense) on the stage's masks. ``units[0]`` sees ``mask_first`` at its input
-    resolution, ``units[1:]`` ``mask_rest`` at the first unit's output resolution."""
+    resolution, ``units[1:]`` ``mask_rest`` at the first unit's output resolution.
+
+    ``prune`` (cost model, training): an ``auto`` stage where no candidate could beat dense even with no active
+    block at all - a sparse stage's estimate only grows with its blocks - is not measured (no candidate, so
+    :func:`choose` takes dense, as it would have on any counts): each count costs a ``reduce_mask`` and, on a
+    GPU, a host sync. Not under DDP, where every rank must measure the same stages (:meth:`Planner.prune`)."""
     N, H, W = int(x_shape[0]), int(x_shape[-2]), int(x_shape[-1])
     first = units[0]
     tiles = list(candidates) if setting == AUTO else [] if setting == DENSE else [int(setting)]
     rest_hw = first.geometry(H, W, 16).levels[-1].map_size
+    if prune is not None and tiles and setting == AUTO:
+        empty = StageInput(name, setting, tuple(units), (N, H, W), tuple(rest_hw), tuple((t, 0, 0) for t in tiles))
+        dense = stage_cost(empty, DENSE, *prune)
+        if all(stage_cost(empty, t, *prune) >= dense for t in tiles):
+            tiles = []
     counts = []
     for t in tiles:
         geo = first.geometry(H, W, t)
@@ -222,6 +233,13 @@ class Planner:
                 raise ValueError(f"Planner.restore: bad cost model key {key!r}")
             self._models[(dev, getattr(torch, dtype))] = CostModel.from_dict(d)
         self._memo.clear()  # plans decided under the models these replace
+
+    def prune(self, device: torch.device, dtype: torch.dtype, training: bool) -> tuple[CostModel, bool] | None:
+        """:func:`measure`'s ``prune``: this planner's cost model, except under DDP in training (every rank
+        must then measure the same stages: their counts are summed)."""
+        if self.sync and training and _distributed():
+            return None
+        return self.cost_model(device, dtype), training
 
     def decide(self, inputs: Sequence[StageInput], device: torch.device, dtype: torch.dtype, training: bool) -> Plan:
         shared = self.sync and training and _distributed()

@@ -218,14 +218,16 @@ class SparseResNet(nn.Module):
     def plan_inputs(self, x_shape: tuple[int, ...], mask: torch.Tensor,
                     settings: list[int | str] | None = None) -> list[StageInput]:
         """The plan inputs of every stage (:func:`detector.nn.plan.measure`) for an input of ``x_shape`` and
-        its ``mask``; the masks per stage are those :meth:`forward` passes (max-pooled after stride 2)."""
+        its ``mask`` (in the input's dtype); the masks per stage are those :meth:`forward` passes (max-pooled
+        after stride 2)."""
         settings = self.block_sizes if settings is None else settings
         N, (H, W) = x_shape[0], x_shape[-2:]
+        prune = self.planner.prune(mask.device, mask.dtype, self.training)
         out = []
         for name, stage, setting in zip(self.stage_names, self.stages, settings, strict=True):
             units = list(stage.units)
             rest = downsample_mask(mask) if units[0].stride == 2 else mask
-            out.append(measure(name, setting, units, (N, H, W), mask, rest, self.planner.candidates))
+            out.append(measure(name, setting, units, (N, H, W), mask, rest, self.planner.candidates, prune))
             H, W = out[-1].rest_hw
             mask = rest
         return out

@@ -203,12 +203,16 @@ def _register_python_side() -> None:
     )
 
 
-def _stale(library: Path, src: Path) -> bool:
-    """Whether the cached library is missing or older than a kernel source (only for the message:
-    torch's loader decides what to rebuild)."""
+def _stale(library: Path, src: Path, with_cuda: bool) -> bool:
+    """Whether the cached library is missing or older than a kernel source of its variant (the CPU-only
+    library does not depend on cuda/ and emulate/: an edit there leaves it up to date, and ninja would not
+    relink it). Decides whether ``import detector`` loads it (:func:`load_built`); :func:`load` leaves the
+    rebuild to torch's loader."""
     if not library.exists():
         return True
-    newest = max(p.stat().st_mtime for p in src.rglob("*") if p.suffix in (".cpp", ".cu", ".h", ".cuh"))
+    skip = set() if with_cuda else {"cuda", "emulate"}
+    newest = max(p.stat().st_mtime for p in src.rglob("*")
+                 if p.suffix in (".cpp", ".cu", ".h", ".cuh") and not skip & set(p.relative_to(src).parts[:-1]))
     return library.stat().st_mtime < newest
 
 
@@ -261,7 +265,7 @@ def build(with_cuda: bool, verbose: bool = False) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     name = "sbnet_kernels_cuda" if with_cuda else "sbnet_kernels_cpu"
     variant = "CPU+CUDA" if with_cuda else "CPU"
-    if _stale(out / f"{name}.so", src):
+    if _stale(out / f"{name}.so", src, with_cuda):
         print(f"detector.ops: building sbnet kernels ({variant}) in {out} (first use: about a minute on CPU, "
               "several with CUDA)", flush=True)
     elif verbose:
@@ -343,7 +347,7 @@ def load_built() -> bool:
         if _devices or _attempted:
             return bool(_devices)
         try:
-            if _stale(library, kernels_dir()):
+            if _stale(library, kernels_dir(), with_cuda):
                 return False
             torch.ops.load_library(str(library))
         except (OSError, RuntimeError, ValueError):  # unreadable sources, a library that does not load: load() decides
