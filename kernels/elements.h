@@ -93,9 +93,8 @@ template <typename I, typename T>
 SBNET_HD void gather_backward_element(int64_t i, const T* grad_blocks, const int32_t* idx, T* dst, const Grid& g,
                                       const Layout& m, int64_t P, int64_t Q, int64_t py, int64_t px) {
   const BlockElem<I> e = block_elem_of<I>(i, g, m);
-  if (phase_of<I>(idx[3 * e.k + 1], static_cast<I>(P)) != py || phase_of<I>(idx[3 * e.k + 2], static_cast<I>(Q)) != px) {
-    return;
-  }
+  if (phase_of<I>(idx[3 * e.k + 1], static_cast<I>(P)) != py) return;
+  if (phase_of<I>(idx[3 * e.k + 2], static_cast<I>(Q)) != px) return;
   const I d = block_pixel<I>(idx, e, g, m);
   if (d >= 0) dst[d] = dst[d] + grad_blocks[i];
 }

@@ -317,12 +317,10 @@ class SparseConvChain(nn.Module):
             return base if tie is None else base + tie
         chunk = self.chunk_blocks(geo, x.element_size())
         idx_chunks = [idx] if traced else [idx[s : s + chunk] for s in range(0, blocks.count, chunk)]
-        if len(idx_chunks) == 1:
-            masks = [blocks.level_masks(geo.levels)]
-        else:
-            masks = [ActiveBlocks(ic, geo.block).level_masks(geo.levels) for ic in idx_chunks]
         if len(idx_chunks) > 1:
+            masks = [ActiveBlocks(ic, geo.block).level_masks(geo.levels) for ic in idx_chunks]
             return run_chunked(self, x, base, idx, idx_chunks, masks, geo, add=identity and self.preact)
+        masks = [blocks.level_masks(geo.levels)]  # shared with the stage's other units on the same blocks
 
         known = [None] * len(self.slots)
         if identity:  # one gather, the tiles combined into x (or a copy): relu(x + tile) for post-activation

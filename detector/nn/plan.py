@@ -237,12 +237,14 @@ class Planner:
     def prune(self, device: torch.device, dtype: torch.dtype, training: bool) -> tuple[CostModel, bool] | None:
         """:func:`measure`'s ``prune``: this planner's cost model, except under DDP in training (every rank
         must then measure the same stages: their counts are summed)."""
-        if self.sync and training and _distributed():
-            return None
-        return self.cost_model(device, dtype), training
+        return None if self._shared(training) else (self.cost_model(device, dtype), training)
+
+    def _shared(self, training: bool) -> bool:
+        """Whether the plan is decided for all ranks: inputs summed over them, rank 0's plan broadcast."""
+        return self.sync and training and _distributed()
 
     def decide(self, inputs: Sequence[StageInput], device: torch.device, dtype: torch.dtype, training: bool) -> Plan:
-        shared = self.sync and training and _distributed()
+        shared = self._shared(training)
         if shared:
             inputs = _sum_over_ranks(inputs, device)
         key = (training, tuple((i.name, i.setting, id(i.units[0]), i.shape, i.rest_hw, i.counts) for i in inputs))
