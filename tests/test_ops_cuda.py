@@ -10,6 +10,7 @@ tests/test_ops_cuda_compile.py, and its element bodies run on the CPU in tests/t
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -270,15 +271,23 @@ def test_detector_forward_backward_on_gpu(device, exact_cuda):
 
 
 # Each bad call runs in a child process, so that a crash fails this case with the child's output (Python's
-# faulthandler trace, and gdb's native backtrace where gdb is installed) instead of ending the whole run.
-# KNOWN BUG, open (H200, torch 2.11+cu130, 2026-12-04): the two layout cases segfault; the indices-on-cpu case
-# raises as it should. Both crashing checks format the tensor's strides into their message (is_nhwc,
+# faulthandler trace, and the native backtrace: gdb's where gdb is installed, else a SIGSEGV handler preloaded
+# into a rerun) instead of ending the whole run.
+# KNOWN BUG, open (H200, torch 2.11+cu130, 2026-12-04): the two layout cases segfaulted; the indices-on-cpu case
+# raised as it should. Both crashing checks format the tensor's strides into their message (is_nhwc,
 # check_layout in kernels/common.h); the same checks raise on the CPU and in the CPU emulation of the CUDA
 # host code. Moving every check out of the nvcc-compiled files (into one g++-compiled .cpp) did not stop the
-# crash (third run), so nvcc's compilation of the message is not the cause. No gdb on that machine.
+# crash, so nvcc's compilation of the message is not the cause. The cases x-3d (a size list in the message),
+# x-int (a dtype) and bsize-zero (an IntArrayRef argument) tell which part of a message crashes.
 BAD_CUDA_CALLS = {
     "indices-on-cpu": ("torch.ops.sbnet.sparse_gather(x, idx, *geo)",
                        "sbnet::sparse_gather: indices are on cpu but the data is on cuda"),
+    "x-3d": ("torch.ops.sbnet.sparse_gather(x[0], idx.cuda(), *geo)",
+             "sbnet::sparse_gather: x must be 4-D [N, C, H, W], got [3, "),
+    "x-int": ("torch.ops.sbnet.sparse_gather(x.int(), idx.cuda(), *geo)",
+              "sbnet::sparse_gather: x must be float16, bfloat16, float32 or float64, got Int"),
+    "bsize-zero": ("torch.ops.sbnet.sparse_gather(x, idx.cuda(), [0, 5], geo[1], geo[2])",
+                   "sbnet::sparse_gather: block size must be positive, got [0, 5]"),
     "x-transposed": ("torch.ops.sbnet.sparse_gather(x.transpose(2, 3), idx.cuda(), *geo)",
                      "sbnet::sparse_gather: x must be contiguous in NCHW or channels-last"),
     "blocks-not-channels-last": (
@@ -287,11 +296,60 @@ BAD_CUDA_CALLS = {
         "sbnet::sparse_scatter_: blocks must be channels-last like its map"),
 }
 
+# A SIGSEGV/SIGABRT handler printing the native frames (glibc's backtrace; no gdb needed), for LD_PRELOAD.
+_BACKTRACE_C = r"""
+#include <execinfo.h>
+#include <signal.h>
+#include <unistd.h>
+static void on_fault(int sig) {
+  void* frames[64];
+  int n = backtrace(frames, 64);
+  backtrace_symbols_fd(frames, n, 2);
+  _exit(128 + sig);
+}
+__attribute__((constructor)) static void install(void) {
+  signal(SIGSEGV, on_fault);
+  signal(SIGABRT, on_fault);
+  signal(SIGBUS, on_fault);
+}
+"""
+
+
+def _native_backtrace(argv: list[str], root, tmp) -> str:
+    """The native frames of a crashing child: gdb's backtrace, else a rerun with a preloaded handler, its
+    frames in the sbnet library resolved with addr2line (file:line)."""
+    import re
+    import shutil
+    import subprocess
+
+    if shutil.which("gdb"):
+        gdb = subprocess.run(["gdb", "-q", "-batch", "-ex", "run", "-ex", "bt 40", "--args", *argv], cwd=root,
+                             capture_output=True, text=True, timeout=300)
+        return "--- gdb ---\n" + gdb.stdout[-6000:] + gdb.stderr[-2000:]
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return "(no gdb and no C compiler: no native backtrace)"
+    src, lib = tmp / "bt.c", tmp / "libbt.so"
+    src.write_text(_BACKTRACE_C)
+    subprocess.run([cc, "-shared", "-fPIC", "-O0", "-o", str(lib), str(src)], check=True, timeout=60)
+    env = dict(os.environ, LD_PRELOAD=str(lib))
+    res = subprocess.run([a for a in argv if a not in ("-X", "faulthandler")], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in res.stderr.splitlines() if "(" in ln and "[0x" in ln]
+    out = [f"--- native backtrace (rc {res.returncode}) ---", *lines[:40]]
+    if shutil.which("addr2line"):  # file:line for our library's frames: "path/lib.so(+0x1234) [0x...]"
+        for ln in lines[:40]:
+            m = re.match(r"(.*sbnet[^(]*\.so)\(([^)]*)\)", ln)
+            if m and "+0x" in m.group(2) and not m.group(2).split("+")[0]:
+                a2l = subprocess.run(["addr2line", "-C", "-f", "-i", "-e", m.group(1), m.group(2).split("+")[1]],
+                                     capture_output=True, text=True, timeout=60)
+                out.append(f"  {m.group(2)}: " + " / ".join(a2l.stdout.split("\n"))[:400])
+    return "\n".join(out)
+
 
 @pytest.mark.parametrize("call", list(BAD_CUDA_CALLS))
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=GPU)], indirect=True)
-def test_cuda_bad_input_names_the_op_and_argument(device, call):
-    import shutil
+def test_cuda_bad_input_names_the_op_and_argument(device, call, tmp_path):
     import subprocess
     import sys
     from pathlib import Path
@@ -316,9 +374,7 @@ def test_cuda_bad_input_names_the_op_and_argument(device, call):
     argv = [sys.executable, "-X", "faulthandler", "-c", code]
     res = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=300)
     out = res.stdout + res.stderr
-    if res.returncode != 0 and shutil.which("gdb"):  # a crash: its native backtrace too
-        gdb = subprocess.run(["gdb", "-q", "-batch", "-ex", "run", "-ex", "bt 40", "--args", *argv], cwd=root,
-                             capture_output=True, text=True, timeout=300)
-        out += "\n--- gdb ---\n" + gdb.stdout[-6000:] + gdb.stderr[-2000:]
+    if res.returncode != 0:  # a crash: its native backtrace too
+        out = out[-3000:] + "\n" + _native_backtrace(argv, root, tmp_path)
     assert res.returncode == 0, f"the bad call crashed the process (rc {res.returncode}):\n{out[-8000:]}"
     assert f"RuntimeError: {message}" in res.stdout, out[-4000:]
