@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 
 #if defined(__CUDACC__)
 #define SBNET_HD __host__ __device__ __forceinline__
@@ -20,6 +21,23 @@
 #endif
 
 namespace sbnet {
+
+// Numbers in messages: formatted by std::to_string, never streamed. A compiler that links parts of libstdc++
+// into the library statically (the H200 machine's /opt/gcc, 2026-12-04) gives it its own copy of the stream's
+// number formatting (std::ostream::_M_insert<long>), whose locale facets are not the process's: streaming a
+// size list into a TORCH_CHECK message segfaulted there instead of raising (tests/test_ops_cuda.py). Strings
+// and c10's own types (dtype, device) stream safely.
+inline std::string num(int64_t v) { return std::to_string(v); }
+
+// "[a, b, c]"
+inline std::string dims(c10::IntArrayRef v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(v[i]);
+  }
+  return s + "]";
+}
 
 struct Grid {
   int64_t size_h, size_w;      // block size (rows, columns)
@@ -31,8 +49,8 @@ inline Grid make_grid(const char* op, c10::IntArrayRef size, c10::IntArrayRef st
                       c10::IntArrayRef offset) {
   TORCH_CHECK(size.size() == 2 && stride.size() == 2 && offset.size() == 2, op,
               ": block size, stride and offset must be pairs");
-  TORCH_CHECK(size[0] > 0 && size[1] > 0, op, ": block size must be positive, got ", size);
-  TORCH_CHECK(stride[0] > 0 && stride[1] > 0, op, ": block stride must be positive, got ", stride);
+  TORCH_CHECK(size[0] > 0 && size[1] > 0, op, ": block size must be positive, got ", dims(size));
+  TORCH_CHECK(stride[0] > 0 && stride[1] > 0, op, ": block stride must be positive, got ", dims(stride));
   return Grid{size[0], size[1], stride[0], stride[1], offset[0], offset[1]};
 }
 
@@ -44,7 +62,7 @@ inline void check_float(const char* op, const char* name, const at::Tensor& t) {
 
 inline void check_indices(const char* op, const at::Tensor& indices, const at::Tensor& data) {
   TORCH_CHECK(indices.dim() == 2 && indices.size(1) == 3, op,
-              ": indices must have shape [K, 3] (n, by, bx), got ", indices.sizes());
+              ": indices must have shape [K, 3] (n, by, bx), got ", dims(indices.sizes()));
   TORCH_CHECK(indices.scalar_type() == at::kInt, op, ": indices must be int32, got ",
               indices.scalar_type());
   TORCH_CHECK(indices.device() == data.device(), op, ": indices are on ", indices.device(),
@@ -56,7 +74,7 @@ inline void check_indices(const char* op, const at::Tensor& indices, const at::T
 inline bool is_nhwc(const char* op, const char* name, const at::Tensor& t) {
   if (t.is_contiguous()) return false;
   TORCH_CHECK(t.is_contiguous(at::MemoryFormat::ChannelsLast), op, ": ", name,
-              " must be contiguous in NCHW or channels-last memory format, got strides ", t.strides());
+              " must be contiguous in NCHW or channels-last memory format, got strides ", dims(t.strides()));
   return true;
 }
 
@@ -64,7 +82,7 @@ inline bool is_nhwc(const char* op, const char* name, const at::Tensor& t) {
 inline void check_layout(const char* op, const char* name, const at::Tensor& t, bool nhwc) {
   TORCH_CHECK(nhwc ? t.is_contiguous(at::MemoryFormat::ChannelsLast) : t.is_contiguous(), op, ": ", name,
               " must be ", nhwc ? "channels-last" : "NCHW-contiguous", " like its map, got strides ",
-              t.strides());
+              dims(t.strides()));
 }
 
 inline at::MemoryFormat format_of(bool nhwc) {
@@ -74,8 +92,8 @@ inline at::MemoryFormat format_of(bool nhwc) {
 // Host-side check that every batch index n lies in [0, N) (what memory safety needs on the CPU).
 inline void check_batch_range_cpu(const char* op, const int32_t* idx, int64_t K, int64_t N) {
   for (int64_t k = 0; k < K; ++k) {
-    TORCH_CHECK(idx[3 * k] >= 0 && idx[3 * k] < N, op, ": indices row ", k, " has n = ", idx[3 * k],
-                ", outside [0, ", N, ")");
+    TORCH_CHECK(idx[3 * k] >= 0 && idx[3 * k] < N, op, ": indices row ", num(k), " has n = ",
+                num(idx[3 * k]), ", outside [0, ", num(N), ")");
   }
 }
 

@@ -14,6 +14,10 @@ inline void define_schemas(torch::Library& m) {
   // int32 [K, 3] rows (n, by, bx), ascending. Max (or mean, avgpool) over the in-map part > tol.
   m.def("reduce_mask(Tensor mask, int[2] bsize, int[2] bstride, int[2] boffset, int[2] bcount, "
         "float tol, bool avgpool) -> Tensor");
+  // The same rule as a flag per block: bool [N, bcount_h, bcount_w] (reduce_mask lists its true entries).
+  // Counting active blocks this way needs no host sync (a sum on the device; the plan's measurements).
+  m.def("block_activity(Tensor mask, int[2] bsize, int[2] bstride, int[2] boffset, int[2] bcount, "
+        "float tol, bool avgpool) -> Tensor");
   // blocks[k] = x[n, :, boffset_h + by*bstride_h : ... + bsize_h, ...]; out-of-map pixels = 0.
   // The blocks have x's layout.
   m.def("sparse_gather(Tensor x, Tensor indices, int[2] bsize, int[2] bstride, int[2] boffset) -> Tensor");

@@ -99,6 +99,7 @@ def test_reduce_mask_matches_reference(kernels, geom, dtype, avgpool):
         got = ops.reduce_mask(mask, bp, tol, avgpool)
         assert got.dtype == torch.int32
         assert torch.equal(got, reference.reduce_mask(mask, bp, tol, avgpool))
+        assert torch.equal(ops.block_activity(mask, bp, tol, avgpool), reference.block_activity(mask, bp, tol, avgpool))
 
 
 def test_reduce_mask_bool_and_noncontiguous(kernels):
@@ -253,7 +254,8 @@ def _opcheck_cases(kernels):
         (kernels.sparse_scatter_, (blocks.detach(), idx, base.detach().clone(), list(bp.obsize), [0, 0],
                                    True)),
     ]
-    return cases + [(kernels.reduce_mask, (mask, g, s, o, list(bp.bcount), 0.5, False))]
+    return cases + [(kernels.reduce_mask, (mask, g, s, o, list(bp.bcount), 0.5, False)),
+                    (kernels.block_activity, (mask, g, s, o, list(bp.bcount), 0.5, False))]
 
 
 def test_opcheck(kernels):

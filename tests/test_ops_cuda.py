@@ -70,6 +70,9 @@ def test_ops_equal_the_reference(device, layout, dtype, geom):
         # row-major like the CPU's (CUDA's nonzero is column-major): the ops then take it as it is, unchecked
         assert idx.is_contiguous() and ops.functional._known_valid(idx, (2, bp.bcount_h, bp.bcount_w))
         assert torch.equal(idx.cpu(), reference.reduce_mask(mask, bp, 0.25, avgpool))
+        flags = ops.block_activity(mask.to(device), bp, 0.25, avgpool)
+        assert flags.device.type == device
+        assert torch.equal(flags.cpu(), reference.block_activity(mask, bp, 0.25, avgpool))
     idx = _indices(bp, 2, 0.7, 1)
     x = _values((2, 5, bp.in_h, bp.in_w), dtype, 2)
     blocks = ops.sparse_gather(_to(x, device, layout), idx.to(device), bp)
@@ -273,12 +276,12 @@ def test_detector_forward_backward_on_gpu(device, exact_cuda):
 # Each bad call runs in a child process, so that a crash fails this case with the child's output (Python's
 # faulthandler trace, and the native backtrace: gdb's where gdb is installed, else a SIGSEGV handler preloaded
 # into a rerun) instead of ending the whole run.
-# KNOWN BUG, open (H200, torch 2.11+cu130, 2026-12-04): the two layout cases segfaulted; the indices-on-cpu case
-# raised as it should. Both crashing checks format the tensor's strides into their message (is_nhwc,
-# check_layout in kernels/common.h); the same checks raise on the CPU and in the CPU emulation of the CUDA
-# host code. Moving every check out of the nvcc-compiled files (into one g++-compiled .cpp) did not stop the
-# crash, so nvcc's compilation of the message is not the cause. The cases x-3d (a size list in the message),
-# x-int (a dtype) and bsize-zero (an IntArrayRef argument) tell which part of a message crashes.
+# Found this way (H200, 2026-12-04): the x-3d, bsize-zero and both layout cases segfaulted, x-int and
+# indices-on-cpu raised. The native frames: c10::str -> operator<<(ostream&, ArrayRef<long>) ->
+# std::ostream::_M_insert<long> *inside the sbnet library* - that machine's compiler (/opt/gcc) links parts of
+# libstdc++ statically, so the library had its own copy of the stream's number formatting, whose locale facets
+# are not the process's. Every number in a kernel message is now formatted by std::to_string (sbnet::num,
+# sbnet::dims in kernels/common.h); dtypes, devices and strings stream safely.
 BAD_CUDA_CALLS = {
     "indices-on-cpu": ("torch.ops.sbnet.sparse_gather(x, idx, *geo)",
                        "sbnet::sparse_gather: indices are on cpu but the data is on cuda"),

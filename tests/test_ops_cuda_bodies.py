@@ -87,10 +87,10 @@ def _setup(geom):
 
 
 def test_schemas_are_those_of_the_sbnet_library(emu):
-    """Both libraries define their schemas with kernels/schemas.h: the same 7 ops, the same signatures."""
+    """Both libraries define their schemas with kernels/schemas.h: the same 8 ops, the same signatures."""
     text = (cuda_emulation.KERNELS / "schemas.h").read_text()
     names = re.findall(r'm\.def\(\s*"(\w+)\(', text)
-    assert len(names) == 7
+    assert len(names) == 8
     if not _library.load():
         pytest.skip("sbnet kernels not built")
     for name in names:
@@ -173,6 +173,8 @@ def test_reduce_mask(emu, geom, dtype):
             expected = reference.reduce_mask(mask, bp, tol, avgpool)
             got = emu.reduce_mask(mask, bp.bsize, bp.bstride, bp.boffset, bp.bcount, tol, avgpool)
             assert got.dtype == torch.int32 and got.is_contiguous() and torch.equal(got, expected), (avgpool, tol)
+            flags = emu.block_activity(mask, bp.bsize, bp.bstride, bp.boffset, bp.bcount, tol, avgpool)
+            assert torch.equal(flags, reference.block_activity(mask, bp, tol, avgpool)), (avgpool, tol)
     cl = mask.contiguous(memory_format=torch.channels_last)
     assert torch.equal(emu.reduce_mask(cl, bp.bsize, bp.bstride, bp.boffset, bp.bcount, 0.1, True),
                        reference.reduce_mask(mask, bp, 0.1, True))
@@ -328,3 +330,4 @@ def test_emulated_ops_equal_the_cpu_kernels(emu, geom, layout):
     for avgpool in (False, True):
         args = (mask, bp.bsize, bp.bstride, bp.boffset, bp.bcount, 0.5, avgpool)
         assert torch.equal(emu.reduce_mask(*args), sb.reduce_mask(*args))
+        assert torch.equal(emu.block_activity(*args), sb.block_activity(*args))

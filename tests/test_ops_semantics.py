@@ -17,6 +17,7 @@ from detector.ops import calc_block_params, reference
 
 class _Public:
     reduce_mask = staticmethod(ops.reduce_mask)
+    block_activity = staticmethod(ops.block_activity)
     sparse_gather = staticmethod(ops.sparse_gather)
     sparse_scatter = staticmethod(ops.sparse_scatter)
     sparse_scatter_ = staticmethod(ops.sparse_scatter_)
@@ -100,6 +101,35 @@ def test_reduce_mask_matches_brute_force(impl, geom, avgpool):
         got = impl.reduce_mask(mask, bp, tol, avgpool)
         assert got.dtype == torch.int32 and got.shape[1] == 3
         assert [tuple(r) for r in got.tolist()] == oracle_reduce_mask(mask.numpy(), bp, tol, avgpool)
+
+
+@pytest.mark.parametrize("geom", GEOMETRIES)
+@pytest.mark.parametrize("avgpool", [False, True])
+def test_block_activity_matches_brute_force(impl, geom, avgpool):
+    """One flag per block of the grid, true exactly for the blocks the rule activates; its sum counts them."""
+    H, W, bsize, ksize, stride, padding = geom
+    bp = calc_block_params(H, W, bsize, ksize, stride, padding)
+    gen = torch.Generator().manual_seed(10 * GEOMETRIES.index(geom) + avgpool)
+    mask = (torch.rand((2, 1, H, W), generator=gen) ** 3 * 4).floor() / 4
+    for tol in (0.0, 0.2, 0.5):
+        got = impl.block_activity(mask, bp, tol, avgpool)
+        expected = oracle_reduce_mask(mask.numpy(), bp, tol, avgpool)
+        assert got.dtype == torch.bool and got.shape == (2, bp.bcount_h, bp.bcount_w)
+        assert [tuple(r) for r in got.nonzero().tolist()] == expected
+        assert int(got.sum()) == len(expected)
+
+
+def test_block_activity_by_hand(impl):
+    """A 6 x 6 map, 4 x 4 blocks with a halo of 1 (ksize 3): block b covers pixels -1 + 2b .. 2 + 2b, three per
+    axis. One hot pixel at (row 4, column 1): rows 4 lie in block rows 1 (1..4) and 2 (3..6), column 1 in block
+    columns 0 (-1..2) and 1 (1..4), so exactly those four blocks are active."""
+    bp = calc_block_params(6, 6, bsize=4, ksize=3)
+    assert (bp.bcount_h, bp.bcount_w, bp.boffset_h, bp.bstride_h, bp.bsize_h) == (3, 3, -1, 2, 4)
+    mask = torch.zeros((1, 1, 6, 6))
+    mask[0, 0, 4, 1] = 1.0
+    expected = torch.zeros((1, 3, 3), dtype=torch.bool)
+    expected[0, 1:3, 0:2] = True
+    assert torch.equal(impl.block_activity(mask, bp, 0.5), expected)
 
 
 def test_reduce_mask_mean_ignores_out_of_map_pixels(impl):

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from detector.nn import cost as cost_mod
 from detector.nn.chain import SparseConvChain
 from detector.nn.cost import CostModel, cost_key, load_or_calibrate
-from detector.nn.plan import DENSE, Planner, choose, measure
+from detector.nn.plan import DENSE, Planner, choose, measure, settle
 from detector.nn.resnet import SparseResNet
 from detector.tasks import build_datamodule, build_grid, build_model, train
 from tests.test_train import _cfg, _final_weights
@@ -51,7 +51,8 @@ def test_choice_follows_the_cost_rule():
     one_px[0, 0, 30, 30] = 1
     inp_all = measure("conv", "auto", units, (1, 64, 64), ones, None, (8, 16))
     inp_px = measure("conv", "auto", units, (1, 64, 64), one_px, None, (8, 16))
-    assert inp_all.counts == ((8, 64, 0), (16, 16, 0)) and inp_px.counts == ((8, 1, 0), (16, 1, 0))
+    assert settle([inp_all])[0].counts == ((8, 64, 0), (16, 16, 0))
+    assert settle([inp_px])[0].counts == ((8, 1, 0), (16, 1, 0))
     assert choose([inp_all], flat_cost(), training=False).choices == (DENSE,)
     assert choose([inp_px], flat_cost(), training=False).choices == (8,)
     assert choose([inp_px], flat_cost(unit_s=1.0), training=True).choices == (DENSE,)
@@ -66,8 +67,8 @@ def test_a_stage_no_count_could_make_sparse_is_not_measured(monkeypatch):
     import detector.nn.plan as plan_mod
 
     calls = []
-    real = plan_mod.reduce_mask
-    monkeypatch.setattr(plan_mod, "reduce_mask", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = plan_mod.block_activity
+    monkeypatch.setattr(plan_mod, "block_activity", lambda *a, **k: calls.append(1) or real(*a, **k))
     units = conv_stage()
     one_px = torch.zeros(1, 1, 64, 64)
     one_px[0, 0, 30, 30] = 1
@@ -78,10 +79,10 @@ def test_a_stage_no_count_could_make_sparse_is_not_measured(monkeypatch):
     assert len(calls) == 2 and pruned.counts == ()  # nothing measured
     assert choose([pruned], costly, training=True).choices == choose([full], costly, training=True).choices == (DENSE,)
     kept = measure("conv", "auto", units, (1, 64, 64), one_px, None, (8, 16), prune=(flat_cost(), False))
-    assert len(calls) == 4 and kept.counts == full.counts
+    assert len(calls) == 4 and settle([kept])[0].counts == settle([full])[0].counts
     assert choose([kept], flat_cost(), training=False).choices == (8,)
     fixed = measure("conv", 16, units, (1, 64, 64), one_px, None, (8, 16), prune=(costly, True))  # a set tile
-    assert fixed.counts == ((16, 1, 0),)
+    assert settle([fixed])[0].counts == ((16, 1, 0),)
 
 
 def test_mac_counts_and_bound_follow_the_halo_rule():

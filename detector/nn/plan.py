@@ -7,7 +7,8 @@ or ``"auto"``. For ``auto`` the plan takes the cheapest of dense and the candida
 
 - the shapes (batch, map, channels, kernels, strides of every chain),
 - the active blocks: for each candidate tile the number of blocks ``reduce_mask`` activates on the stage's
-  mask (first unit at its input resolution, the others at the stage's output resolution),
+  mask (first unit at its input resolution, the others at the stage's output resolution), counted on the
+  device (``block_activity(...).sum()``) and read for all stages at once: one host sync per plan on a GPU,
 - training or inference (fixed costs measured forward, or forward + backward).
 
 It is a pure function of those inputs (:func:`choose`): the same batch gives the same plan, so training can
@@ -26,12 +27,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from detector.ops import reduce_mask
+from detector.ops import block_activity
 
 from .cost import CostModel, dense_macs, load_or_calibrate, sparse_macs
 
-__all__ = ["DENSE", "AUTO", "CANDIDATES", "StageInput", "Plan", "Planner", "measure", "choose", "stage_macs",
-           "check_setting"]
+__all__ = ["DENSE", "AUTO", "CANDIDATES", "StageInput", "Plan", "Planner", "measure", "settle", "choose",
+           "stage_macs", "check_setting"]
 
 DENSE = "dense"
 AUTO = "auto"
@@ -50,7 +51,8 @@ def check_setting(value: object, what: str) -> int | str:
 class StageInput:
     """What the plan of one stage depends on. ``units``: its chains (first, then the rest, which share a
     geometry); ``shape``: (N, H, W) of the stage input; ``rest_hw``: the others' input map; ``counts``:
-    (tile, active blocks of the first unit, of each other unit) per tile considered."""
+    (tile, active blocks of the first unit, of each other unit) per tile considered - ints, or 0-d tensors on
+    the mask's device as :func:`measure` returns them until :func:`settle` reads them."""
 
     name: str
     setting: int | str
@@ -115,8 +117,11 @@ def measure(name: str, setting: int | str, units: Sequence, x_shape: Sequence[in
 
     ``prune`` (cost model, training): an ``auto`` stage where no candidate could beat dense even with no active
     block at all - a sparse stage's estimate only grows with its blocks - is not measured (no candidate, so
-    :func:`choose` takes dense, as it would have on any counts): each count costs a ``reduce_mask`` and, on a
-    GPU, a host sync. Not under DDP, where every rank must measure the same stages (:meth:`Planner.prune`)."""
+    :func:`choose` takes dense, as it would have on any counts): each count costs a ``block_activity`` launch
+    and a sum. Not under DDP, where every rank must measure the same stages (:meth:`Planner.prune`).
+
+    The counts are 0-d tensors on the mask's device (no host sync here); :func:`settle` reads those of all
+    stages at once."""
     N, H, W = int(x_shape[0]), int(x_shape[-2]), int(x_shape[-1])
     first = units[0]
     tiles = list(candidates) if setting == AUTO else [] if setting == DENSE else [int(setting)]
@@ -129,13 +134,24 @@ def measure(name: str, setting: int | str, units: Sequence, x_shape: Sequence[in
     counts = []
     for t in tiles:
         geo = first.geometry(H, W, t)
-        k1 = int(reduce_mask(mask_first, geo.block, tol=first.tol, avgpool=first.avgpool).shape[0])
+        k1 = block_activity(mask_first, geo.block, tol=first.tol, avgpool=first.avgpool).sum()
         kr = 0
         if len(units) > 1:
             geo_r = units[1].geometry(*rest_hw, t)
-            kr = int(reduce_mask(mask_rest, geo_r.block, tol=units[1].tol, avgpool=units[1].avgpool).shape[0])
+            kr = block_activity(mask_rest, geo_r.block, tol=units[1].tol, avgpool=units[1].avgpool).sum()
         counts.append((t, k1, kr))
     return StageInput(name, setting, tuple(units), (N, H, W), tuple(rest_hw), tuple(counts))
+
+
+def settle(inputs: Sequence[StageInput]) -> list[StageInput]:
+    """The inputs with every count an int: the tensors among them read in one transfer (one host sync on a
+    GPU for the whole plan instead of one per count)."""
+    pending = [k for i in inputs for c in i.counts for k in c[1:] if isinstance(k, torch.Tensor)]
+    if not pending:
+        return list(inputs)
+    values = iter(torch.stack([k.reshape(()).to(torch.int64) for k in pending]).tolist())
+    return [i.with_totals(i.shape[0], [(c[0], *(next(values) if isinstance(k, torch.Tensor) else int(k)
+                                                for k in c[1:])) for c in i.counts]) for i in inputs]
 
 
 def stage_cost(inp: StageInput, option: int | str, cost: CostModel, training: bool) -> float:
@@ -163,6 +179,7 @@ def stage_macs(inp: StageInput, option: int | str) -> int:
 def choose(inputs: Sequence[StageInput], cost: CostModel, training: bool) -> Plan:
     """THE decision (pure): per stage its set value, or for 'auto' the option of least estimated cost
     (dense first, then the tiles in increasing order; a later option must be strictly cheaper)."""
+    inputs = settle(inputs)
     choices, estimates, macs = [], [], []
     for inp in inputs:
         options = [DENSE] + sorted(c[0] for c in inp.counts)
@@ -244,6 +261,7 @@ class Planner:
         return self.sync and training and _distributed()
 
     def decide(self, inputs: Sequence[StageInput], device: torch.device, dtype: torch.dtype, training: bool) -> Plan:
+        inputs = settle(inputs)
         shared = self._shared(training)
         if shared:
             inputs = _sum_over_ranks(inputs, device)

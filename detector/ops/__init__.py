@@ -2,6 +2,7 @@
 
     bp = calc_block_params(H, W, bsize=(16, 16), ksize=3, stride=1, padding=1)
     idx = reduce_mask(mask, bp, tol=0.5, avgpool=False)      # int32 [K, 3] (n, by, bx), sorted
+    active = block_activity(mask, bp, tol=0.5)                # bool [N, bcount_h, bcount_w]: the same rule
     blocks = sparse_gather(x, idx, bp)                        # [K, C, bp.bsize_h, bp.bsize_w]
     y = sparse_scatter(out_blocks, idx, base, bp, add=True)   # like base (differentiable); relu=True: relu(base + tile)
     sparse_scatter_(out_blocks, idx, base, bp, add=True)      # in place into base (differentiable too)
@@ -13,13 +14,14 @@ fallback.
 """
 
 from .blocks import BlockParams, calc_block_params
-from .functional import reduce_mask, sparse_gather, sparse_scatter, sparse_scatter_
+from .functional import block_activity, reduce_mask, sparse_gather, sparse_scatter, sparse_scatter_
 from .residual import ResidualBlocks
 
 __all__ = [
     "BlockParams",
     "calc_block_params",
     "reduce_mask",
+    "block_activity",
     "sparse_gather",
     "sparse_scatter",
     "sparse_scatter_",

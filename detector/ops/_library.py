@@ -88,6 +88,10 @@ def _register_python_side() -> None:
         k = torch.library.get_ctx().new_dynamic_size()
         return mask.new_empty((k, 3), dtype=torch.int32)
 
+    @torch.library.register_fake("sbnet::block_activity")
+    def _(mask, bsize, bstride, boffset, bcount, tol, avgpool):
+        return mask.new_empty((mask.shape[0], bcount[0], bcount[1]), dtype=torch.bool)
+
     # fakes allocate in the layout directly (a .contiguous(memory_format) of a tensor with a data-dependent K
     # may keep its strides under symbolic shapes, and the compiled graph would then expect the wrong layout)
     def empty(shape, like, f):

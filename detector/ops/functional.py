@@ -36,7 +36,7 @@ from . import reference
 from .blocks import BlockParams
 from .formulas import ScatterInPlace, memory_format_of
 
-__all__ = ["reduce_mask", "sparse_gather", "sparse_scatter", "sparse_scatter_"]
+__all__ = ["reduce_mask", "block_activity", "sparse_gather", "sparse_scatter", "sparse_scatter_"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _warned_devices: set[str] = set()
@@ -148,6 +148,23 @@ def _kernels_for(device: torch.device) -> bool:
 
 
 # ------------------------------------------------------------------------------------------- ops
+def _mask_args(op: str, mask: object, bp: object, tol: object) -> tuple[torch.Tensor, BlockParams]:
+    """The checked (mask as float, block params) of reduce_mask / block_activity."""
+    bp = _check_bp(op, bp)
+    mask = _check_tensor(op, "mask", mask, 4)
+    if mask.shape[1] != 1 or tuple(mask.shape[2:]) != bp.in_size:
+        raise ValueError(
+            f"{op}: mask must have shape [N, 1, {bp.in_h}, {bp.in_w}] (the block params' input map), "
+            f"got {tuple(mask.shape)}"
+        )
+    if mask.dtype == torch.bool:
+        mask = mask.to(torch.float32)
+    _check_float(op, "mask", mask)
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)):
+        raise TypeError(f"{op}: tol must be a float, got {type(tol).__name__}")
+    return mask, bp
+
+
 def reduce_mask(mask: torch.Tensor, bp: BlockParams, tol: float = 0.5, avgpool: bool = False) -> torch.Tensor:
     """Indices of the active blocks of ``mask``: int32 ``[K, 3]`` rows (n, by, bx), sorted, unique.
 
@@ -161,20 +178,10 @@ def reduce_mask(mask: torch.Tensor, bp: BlockParams, tol: float = 0.5, avgpool: 
             window = mask[n, 0, boffset_h + by*bstride_h : ... + bsize_h,
                                 boffset_w + bx*bstride_w : ... + bsize_w]   # in-map part
             if window not empty and (mean if avgpool else max)(window) > tol: emit (n, by, bx)
+
+    The rows are the true entries of :func:`block_activity` (K is data-dependent: on a GPU, a host sync).
     """
-    op = "reduce_mask"
-    bp = _check_bp(op, bp)
-    mask = _check_tensor(op, "mask", mask, 4)
-    if mask.shape[1] != 1 or tuple(mask.shape[2:]) != bp.in_size:
-        raise ValueError(
-            f"{op}: mask must have shape [N, 1, {bp.in_h}, {bp.in_w}] (the block params' input map), "
-            f"got {tuple(mask.shape)}"
-        )
-    if mask.dtype == torch.bool:
-        mask = mask.to(torch.float32)
-    _check_float(op, "mask", mask)
-    if isinstance(tol, bool) or not isinstance(tol, (int, float)):
-        raise TypeError(f"{op}: tol must be a float, got {type(tol).__name__}")
+    mask, bp = _mask_args("reduce_mask", mask, bp, tol)
     if _kernels_for(mask.device):
         indices = torch.ops.sbnet.reduce_mask(
             mask.contiguous(), list(bp.bsize), list(bp.bstride), list(bp.boffset), list(bp.bcount),
@@ -184,6 +191,19 @@ def reduce_mask(mask: torch.Tensor, bp: BlockParams, tol: float = 0.5, avgpool: 
         indices = reference.reduce_mask(mask, bp, float(tol), bool(avgpool))
     _remember_valid(indices, (mask.shape[0], bp.bcount_h, bp.bcount_w))  # valid by construction
     return indices
+
+
+def block_activity(mask: torch.Tensor, bp: BlockParams, tol: float = 0.5, avgpool: bool = False) -> torch.Tensor:
+    """Whether each block is active, by :func:`reduce_mask`'s rule: bool ``[N, bcount_h, bcount_w]``.
+    Its ``sum()`` counts the active blocks on the device, without the host sync a count of reduce_mask's
+    rows costs on a GPU (the execution plan counts many grids and reads them all at once)."""
+    mask, bp = _mask_args("block_activity", mask, bp, tol)
+    if _kernels_for(mask.device):
+        return torch.ops.sbnet.block_activity(
+            mask.contiguous(), list(bp.bsize), list(bp.bstride), list(bp.boffset), list(bp.bcount),
+            float(tol), bool(avgpool),
+        )
+    return reference.block_activity(mask, bp, float(tol), bool(avgpool))
 
 
 def sparse_gather(x: torch.Tensor, indices: torch.Tensor, bp: BlockParams) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 
 from .blocks import BlockParams
 
-__all__ = ["reduce_mask", "sparse_gather", "sparse_scatter", "sparse_scatter_"]
+__all__ = ["reduce_mask", "block_activity", "sparse_gather", "sparse_scatter", "sparse_scatter_"]
 
 
 def _clip(start: int, length: int, limit: int) -> tuple[int, int]:
@@ -27,16 +27,16 @@ def _clip(start: int, length: int, limit: int) -> tuple[int, int]:
     return max(start, 0), min(start + length, limit)
 
 
-def reduce_mask(mask: torch.Tensor, bp: BlockParams, tol: float, avgpool: bool = False) -> torch.Tensor:
-    """Active blocks of ``mask [N, 1, H, W]`` as int32 ``[K, 3]`` rows (n, by, bx), sorted.
+def block_activity(mask: torch.Tensor, bp: BlockParams, tol: float, avgpool: bool = False) -> torch.Tensor:
+    """Whether each block of ``mask [N, 1, H, W]`` is active: bool ``[N, bcount_h, bcount_w]``.
 
     for n, by, bx in grid:
         window = mask[n, 0, boffset_h + by*bstride_h : ... + bsize_h,
                             boffset_w + bx*bstride_w : ... + bsize_w]   # in-map part only
-        if window not empty and (mean if avgpool else max)(window) > tol: emit (n, by, bx)
+        active[n, by, bx] = window not empty and (mean if avgpool else max)(window) > tol
     """
     N, _, H, W = mask.shape
-    active: list[tuple[int, int, int]] = []
+    active = torch.zeros((N, bp.bcount_h, bp.bcount_w), dtype=torch.bool)
     for n in range(N):
         for by in range(bp.bcount_h):
             y0, y1 = _clip(bp.boffset_h + by * bp.bstride_h, bp.bsize_h, H)
@@ -46,9 +46,14 @@ def reduce_mask(mask: torch.Tensor, bp: BlockParams, tol: float, avgpool: bool =
                     continue
                 window = mask[n, 0, y0:y1, x0:x1].double()
                 value = window.mean() if avgpool else window.max()
-                if value.item() > tol:
-                    active.append((n, by, bx))
-    return torch.tensor(active, dtype=torch.int32, device=mask.device).reshape(-1, 3)
+                active[n, by, bx] = value.item() > tol
+    return active.to(mask.device)
+
+
+def reduce_mask(mask: torch.Tensor, bp: BlockParams, tol: float, avgpool: bool = False) -> torch.Tensor:
+    """Active blocks of ``mask [N, 1, H, W]`` as int32 ``[K, 3]`` rows (n, by, bx), sorted: the true
+    entries of :func:`block_activity` in row-major order."""
+    return block_activity(mask, bp, tol, avgpool).nonzero().to(torch.int32).contiguous()
 
 
 def sparse_gather(x: torch.Tensor, indices: torch.Tensor, bp: BlockParams) -> torch.Tensor:

@@ -1,28 +1,28 @@
-// reduce_mask on the CPU: one pass per block over the in-map part of its window (OpenMP over
-// block rows), then a sequential compaction into ascending (n, by, bx) rows.
+// block_activity and reduce_mask on the CPU: one pass per block over the in-map part of its window (OpenMP
+// over block rows) into a flag per block; reduce_mask then compacts the flags into ascending (n, by, bx) rows.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <limits>
-#include <vector>
 
 #include "common.h"
 
 namespace sbnet {
 namespace {
 
-at::Tensor reduce_mask_cpu(const at::Tensor& mask, c10::IntArrayRef bsize, c10::IntArrayRef bstride,
-                           c10::IntArrayRef boffset, c10::IntArrayRef bcount, double tol, bool avgpool) {
-  const char* op = "sbnet::reduce_mask";
+// bool [N, bcount_h, bcount_w]: whether each block is active (checks name op).
+at::Tensor activity(const char* op, const at::Tensor& mask, c10::IntArrayRef bsize, c10::IntArrayRef bstride,
+                    c10::IntArrayRef boffset, c10::IntArrayRef bcount, double tol, bool avgpool) {
   const Grid g = make_grid(op, bsize, bstride, boffset);
-  TORCH_CHECK(mask.dim() == 4 && mask.size(1) == 1, op, ": mask must be [N, 1, H, W], got ", mask.sizes());
+  TORCH_CHECK(mask.dim() == 4 && mask.size(1) == 1, op, ": mask must be [N, 1, H, W], got ", dims(mask.sizes()));
   check_float(op, "mask", mask);
-  TORCH_CHECK(bcount.size() == 2 && bcount[0] >= 0 && bcount[1] >= 0, op, ": bad bcount ", bcount);
+  TORCH_CHECK(bcount.size() == 2 && bcount[0] >= 0 && bcount[1] >= 0, op, ": bad bcount ", dims(bcount));
   const at::Tensor m = mask.contiguous();
   const int64_t N = m.size(0), H = m.size(2), W = m.size(3), bch = bcount[0], bcw = bcount[1];
-  std::vector<uint8_t> active(static_cast<size_t>(N * bch * bcw), 0);
+  at::Tensor flags = at::empty({N, bch, bcw}, m.options().dtype(at::kBool));
+  bool* active = flags.mutable_data_ptr<bool>();
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, m.scalar_type(), "sbnet_reduce_mask_cpu", [&] {
     const scalar_t* data = m.const_data_ptr<scalar_t>();
@@ -34,7 +34,10 @@ at::Tensor reduce_mask_cpu(const at::Tensor& mask, c10::IntArrayRef bsize, c10::
         for (int64_t bx = 0; bx < bcw; ++bx) {
           int64_t x0, x1;
           clip(g.offset_w + bx * g.stride_w, g.size_w, W, x0, x1);
-          if (y0 >= y1 || x0 >= x1) continue;  // window wholly outside the map: never active
+          if (y0 >= y1 || x0 >= x1) {  // window wholly outside the map: never active
+            active[row * bcw + bx] = false;
+            continue;
+          }
           double value;
           if (avgpool) {
             double sum = 0.0;  // float64 accumulation, divided by the in-map pixel count
@@ -57,11 +60,24 @@ at::Tensor reduce_mask_cpu(const at::Tensor& mask, c10::IntArrayRef bsize, c10::
     });
   });
 
+  return flags;
+}
+
+at::Tensor block_activity_cpu(const at::Tensor& mask, c10::IntArrayRef bsize, c10::IntArrayRef bstride,
+                              c10::IntArrayRef boffset, c10::IntArrayRef bcount, double tol, bool avgpool) {
+  return activity("sbnet::block_activity", mask, bsize, bstride, boffset, bcount, tol, avgpool);
+}
+
+at::Tensor reduce_mask_cpu(const at::Tensor& mask, c10::IntArrayRef bsize, c10::IntArrayRef bstride,
+                           c10::IntArrayRef boffset, c10::IntArrayRef bcount, double tol, bool avgpool) {
+  const at::Tensor flags = activity("sbnet::reduce_mask", mask, bsize, bstride, boffset, bcount, tol, avgpool);
+  const bool* active = flags.const_data_ptr<bool>();
+  const int64_t total = flags.numel(), bch = flags.size(1), bcw = flags.size(2);
   int64_t K = 0;
-  for (uint8_t a : active) K += a;
-  at::Tensor out = at::empty({K, 3}, m.options().dtype(at::kInt));
+  for (int64_t i = 0; i < total; ++i) K += active[i];
+  at::Tensor out = at::empty({K, 3}, flags.options().dtype(at::kInt));
   int32_t* o = out.mutable_data_ptr<int32_t>();
-  for (int64_t i = 0, k = 0; i < N * bch * bcw; ++i) {
+  for (int64_t i = 0, k = 0; i < total; ++i) {
     if (!active[i]) continue;
     o[3 * k] = static_cast<int32_t>(i / (bch * bcw));
     o[3 * k + 1] = static_cast<int32_t>((i / bcw) % bch);
@@ -74,4 +90,7 @@ at::Tensor reduce_mask_cpu(const at::Tensor& mask, c10::IntArrayRef bsize, c10::
 }  // namespace
 }  // namespace sbnet
 
-TORCH_LIBRARY_IMPL(sbnet, CPU, m) { m.impl("reduce_mask", &sbnet::reduce_mask_cpu); }
+TORCH_LIBRARY_IMPL(sbnet, CPU, m) {
+  m.impl("reduce_mask", &sbnet::reduce_mask_cpu);
+  m.impl("block_activity", &sbnet::block_activity_cpu);
+}

@@ -37,7 +37,7 @@ at::Tensor sparse_gather_cpu(const at::Tensor& x, const at::Tensor& indices, c10
                              c10::IntArrayRef bstride, c10::IntArrayRef boffset) {
   const char* op = "sbnet::sparse_gather";
   const Grid g = make_grid(op, bsize, bstride, boffset);
-  TORCH_CHECK(x.dim() == 4, op, ": x must be [N, C, H, W], got ", x.sizes());
+  TORCH_CHECK(x.dim() == 4, op, ": x must be [N, C, H, W], got ", dims(x.sizes()));
   check_float(op, "x", x);
   check_indices(op, indices, x);
   const bool nhwc = is_nhwc(op, "x", x);
@@ -136,14 +136,14 @@ at::Tensor sparse_gather_backward_cpu(const at::Tensor& grad_blocks, const at::T
                                       c10::IntArrayRef input_size, c10::IntArrayRef bstride,
                                       c10::IntArrayRef boffset, bool channels_last) {
   const char* op = "sbnet::sparse_gather_backward";
-  TORCH_CHECK(grad_blocks.dim() == 4, op, ": grad_blocks must be [K, C, bh, bw], got ", grad_blocks.sizes());
-  TORCH_CHECK(input_size.size() == 4, op, ": input_size must be [N, C, H, W], got ", input_size);
+  TORCH_CHECK(grad_blocks.dim() == 4, op, ": grad_blocks must be [K, C, bh, bw], got ", dims(grad_blocks.sizes()));
+  TORCH_CHECK(input_size.size() == 4, op, ": input_size must be [N, C, H, W], got ", dims(input_size));
   const Grid g = make_grid(op, grad_blocks.sizes().slice(2), bstride, boffset);
   check_float(op, "grad_blocks", grad_blocks);
   check_indices(op, indices, grad_blocks);
   const int64_t K = indices.size(0), C = input_size[1];
-  TORCH_CHECK(grad_blocks.size(0) == K && grad_blocks.size(1) == C, op, ": grad_blocks ", grad_blocks.sizes(),
-              " does not match ", K, " indices and ", C, " channels");
+  TORCH_CHECK(grad_blocks.size(0) == K && grad_blocks.size(1) == C, op, ": grad_blocks ", dims(grad_blocks.sizes()),
+              " does not match ", num(K), " indices and ", num(C), " channels");
   const at::TensorOptions opts = grad_blocks.options().memory_format(format_of(channels_last));
   at::Tensor out = at::empty(input_size, opts);
   if (K == 0 || C == 0) return out.zero_();
@@ -157,15 +157,15 @@ void sparse_gather_backward_inplace_cpu(const at::Tensor& grad_blocks, const at:
                                         c10::IntArrayRef bstride, c10::IntArrayRef boffset) {
   const char* op = "sbnet::sparse_gather_backward_";
   TORCH_CHECK(grad_blocks.dim() == 4 && grad_x.dim() == 4, op, ": grad_blocks [K, C, bh, bw] and grad_x [N, C, H, W] ",
-              "must be 4-D, got ", grad_blocks.sizes(), " and ", grad_x.sizes());
+              "must be 4-D, got ", dims(grad_blocks.sizes()), " and ", dims(grad_x.sizes()));
   const Grid g = make_grid(op, grad_blocks.sizes().slice(2), bstride, boffset);
   check_float(op, "grad_blocks", grad_blocks);
   TORCH_CHECK(grad_blocks.scalar_type() == grad_x.scalar_type(), op, ": grad_blocks (", grad_blocks.scalar_type(),
               ") and grad_x (", grad_x.scalar_type(), ") must have the same dtype");
   check_indices(op, indices, grad_x);
   const int64_t K = indices.size(0), C = grad_x.size(1);
-  TORCH_CHECK(grad_blocks.size(0) == K && grad_blocks.size(1) == C, op, ": grad_blocks ", grad_blocks.sizes(),
-              " does not match ", K, " indices and grad_x's ", C, " channels");
+  TORCH_CHECK(grad_blocks.size(0) == K && grad_blocks.size(1) == C, op, ": grad_blocks ", dims(grad_blocks.sizes()),
+              " does not match ", num(K), " indices and grad_x's ", num(C), " channels");
   const bool nhwc = is_nhwc(op, "grad_x", grad_x);
   check_layout(op, "grad_blocks", grad_blocks, nhwc);
   if (K == 0 || C == 0) return;

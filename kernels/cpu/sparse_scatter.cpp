@@ -111,18 +111,18 @@ void scatter_impl(const char* op, const at::Tensor* tiles, const at::Tensor& ind
 MapArgs check_scatter(const char* op, const at::Tensor& blocks, const at::Tensor& indices, const at::Tensor& base,
                       const Grid& g) {
   TORCH_CHECK(blocks.dim() == 4 && base.dim() == 4, op,
-              ": blocks [K, C, th, tw] and base [N, C, H, W] must be 4-D, got ", blocks.sizes(), " and ",
-              base.sizes());
+              ": blocks [K, C, th, tw] and base [N, C, H, W] must be 4-D, got ", dims(blocks.sizes()), " and ",
+              dims(base.sizes()));
   check_float(op, "blocks", blocks);
   TORCH_CHECK(blocks.scalar_type() == base.scalar_type(), op, ": blocks (", blocks.scalar_type(), ") and base (",
               base.scalar_type(), ") must have the same dtype");
   TORCH_CHECK(blocks.device() == base.device(), op, ": blocks and base must be on the same device");
   check_indices(op, indices, base);
-  TORCH_CHECK(g.stride_h >= g.size_h && g.stride_w >= g.size_w, op, ": tiles ", blocks.sizes().slice(2),
-              " would overlap with block stride (", g.stride_h, ", ", g.stride_w, ")");
+  TORCH_CHECK(g.stride_h >= g.size_h && g.stride_w >= g.size_w, op, ": tiles ", dims(blocks.sizes().slice(2)),
+              " would overlap with block stride (", num(g.stride_h), ", ", num(g.stride_w), ")");
   const int64_t K = indices.size(0), C = base.size(1);
-  TORCH_CHECK(blocks.size(0) == K && blocks.size(1) == C, op, ": blocks ", blocks.sizes(), " do not match ", K,
-              " indices and base's ", C, " channels");
+  TORCH_CHECK(blocks.size(0) == K && blocks.size(1) == C, op, ": blocks ", dims(blocks.sizes()), " do not match ",
+              num(K), " indices and base's ", num(C), " channels");
   const bool nhwc = is_nhwc(op, "base", base);
   check_layout(op, "blocks", blocks, nhwc);
   return MapArgs{base.size(0), C, base.size(2), base.size(3), nhwc};
@@ -131,7 +131,7 @@ MapArgs check_scatter(const char* op, const at::Tensor& blocks, const at::Tensor
 at::Tensor sparse_scatter_cpu(const at::Tensor& blocks, const at::Tensor& indices, const at::Tensor& base,
                               c10::IntArrayRef bstride, c10::IntArrayRef boffset, bool add, bool relu) {
   const char* op = "sbnet::sparse_scatter";
-  TORCH_CHECK(blocks.dim() == 4, op, ": blocks must be [K, C, th, tw], got ", blocks.sizes());
+  TORCH_CHECK(blocks.dim() == 4, op, ": blocks must be [K, C, th, tw], got ", dims(blocks.sizes()));
   const Grid g = make_grid(op, blocks.sizes().slice(2), bstride, boffset);
   const MapArgs m = check_scatter(op, blocks, indices, base, g);
   at::Tensor out = at::empty(base.sizes(), base.options().memory_format(format_of(m.nhwc)));  // filled from base
@@ -142,7 +142,7 @@ at::Tensor sparse_scatter_cpu(const at::Tensor& blocks, const at::Tensor& indice
 void sparse_scatter_inplace_cpu(const at::Tensor& blocks, const at::Tensor& indices, at::Tensor& base,
                                 c10::IntArrayRef bstride, c10::IntArrayRef boffset, bool add, bool relu) {
   const char* op = "sbnet::sparse_scatter_";
-  TORCH_CHECK(blocks.dim() == 4, op, ": blocks must be [K, C, th, tw], got ", blocks.sizes());
+  TORCH_CHECK(blocks.dim() == 4, op, ": blocks must be [K, C, th, tw], got ", dims(blocks.sizes()));
   const Grid g = make_grid(op, blocks.sizes().slice(2), bstride, boffset);
   const MapArgs m = check_scatter(op, blocks, indices, base, g);
   scatter_impl(op, &blocks, indices, nullptr, base, g, m, combine_of(add, relu));
@@ -155,11 +155,11 @@ std::tuple<at::Tensor, at::Tensor> sparse_scatter_backward_cpu(const at::Tensor&
                                                                bool need_blocks, bool need_base) {
   const char* op = "sbnet::sparse_scatter_backward";
   const Grid g = make_grid(op, tile, bstride, boffset);
-  TORCH_CHECK(grad_out.dim() == 4, op, ": grad_out must be [N, C, H, W], got ", grad_out.sizes());
+  TORCH_CHECK(grad_out.dim() == 4, op, ": grad_out must be [N, C, H, W], got ", dims(grad_out.sizes()));
   check_float(op, "grad_out", grad_out);
   check_indices(op, indices, grad_out);
-  TORCH_CHECK(g.stride_h >= g.size_h && g.stride_w >= g.size_w, op, ": tiles ", tile,
-              " would overlap with block stride ", bstride);
+  TORCH_CHECK(g.stride_h >= g.size_h && g.stride_w >= g.size_w, op, ": tiles ", dims(tile),
+              " would overlap with block stride ", dims(bstride));
   const bool nhwc = is_nhwc(op, "grad_out", grad_out);
   const int64_t K = indices.size(0), C = grad_out.size(1);
   const MapArgs m{grad_out.size(0), C, grad_out.size(2), grad_out.size(3), nhwc};
@@ -171,8 +171,8 @@ std::tuple<at::Tensor, at::Tensor> sparse_scatter_backward_cpu(const at::Tensor&
     TORCH_CHECK(ot.dim() == 4 && ot.size(0) == K && ot.size(1) == C && ot.size(2) == g.size_h &&
                     ot.size(3) == g.size_w && ot.scalar_type() == grad_out.scalar_type() &&
                     ot.device() == grad_out.device(),
-                op, ": out_tiles must be [", K, ", ", C, ", ", g.size_h, ", ", g.size_w, "] like grad_out, got ",
-                ot.sizes(), " ", ot.scalar_type());
+                op, ": out_tiles must be ", dims({K, C, g.size_h, g.size_w}), " like grad_out, got ",
+                dims(ot.sizes()), " ", ot.scalar_type());
     check_layout(op, "out_tiles", ot, nhwc);
     on = ot.gt(0).to(grad_out.scalar_type());
   }

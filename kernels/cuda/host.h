@@ -38,7 +38,7 @@ namespace plan {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, type, name, __VA_ARGS__)
 
 inline void check_dim4(const char* op, const char* name, const at::Tensor& t, const char* shape) {
-  TORCH_CHECK(t.dim() == 4, op, ": ", name, " must be 4-D ", shape, ", got ", t.sizes());
+  TORCH_CHECK(t.dim() == 4, op, ": ", name, " must be 4-D ", shape, ", got ", dims(t.sizes()));
 }
 
 // A second data tensor (blocks, a second map) must match the first one's dtype and device.
@@ -52,8 +52,8 @@ inline void check_like(const char* op, const char* name, const at::Tensor& t, co
 
 // A block tensor [K, C, h, w] must have one row per index and its map's channels.
 inline void check_blocks(const char* op, const char* name, const at::Tensor& blocks, int64_t K, int64_t C) {
-  TORCH_CHECK(blocks.size(0) == K && blocks.size(1) == C, op, ": ", name, " ", blocks.sizes(), " does not match ",
-              K, " indices and the map's ", C, " channels");
+  TORCH_CHECK(blocks.size(0) == K && blocks.size(1) == C, op, ": ", name, " ", dims(blocks.sizes()),
+              " does not match ", num(K), " indices and the map's ", num(C), " channels");
 }
 
 // Calls fn(I{}) with the index type of a launch's element bodies (elements.h): int32_t when every offset

@@ -1,6 +1,6 @@
-// Host side of reduce_mask.cu (shared with the emulator; see cuda/host.h): one kernel with one
-// element per block of the grid (its in-map window's max, or float64 mean, > tol) into a flag per
-// block; at::nonzero then lists the active blocks in ascending (n, by, bx) order (deterministic).
+// Host side of reduce_mask.cu (shared with the emulator; see cuda/host.h): block_activity is one kernel
+// with one element per block of the grid (its in-map window's max, or float64 mean, > tol) into a flag per
+// block; reduce_mask lists the flagged blocks with at::nonzero in ascending (n, by, bx) order (deterministic).
 #pragma once
 
 #include <ATen/ops/nonzero.h>
@@ -23,26 +23,40 @@ struct ReduceMaskFn {
   }
 };
 
+// bool [N, bcount_h, bcount_w]: whether each block is active (checks name op).
 template <class Exec>
-at::Tensor reduce_mask(const at::Tensor& mask, c10::IntArrayRef bsize, c10::IntArrayRef bstride,
-                       c10::IntArrayRef boffset, c10::IntArrayRef bcount, double tol, bool avgpool) {
-  const char* op = "sbnet::reduce_mask";
+at::Tensor activity(const char* op, const at::Tensor& mask, c10::IntArrayRef bsize, c10::IntArrayRef bstride,
+                    c10::IntArrayRef boffset, c10::IntArrayRef bcount, double tol, bool avgpool) {
   const Grid g = make_grid(op, bsize, bstride, boffset);
-  TORCH_CHECK(mask.dim() == 4 && mask.size(1) == 1, op, ": mask must be [N, 1, H, W], got ", mask.sizes());
+  TORCH_CHECK(mask.dim() == 4 && mask.size(1) == 1, op, ": mask must be [N, 1, H, W], got ", dims(mask.sizes()));
   check_float(op, "mask", mask);
   TORCH_CHECK(bcount.size() == 2 && bcount[0] >= 0 && bcount[1] >= 0, op,
-              ": bcount must be a pair of non-negative block counts, got ", bcount);
+              ": bcount must be a pair of non-negative block counts, got ", dims(bcount));
   const typename Exec::Guard guard(mask.device());
   const at::Tensor m = mask.contiguous();  // one channel: NCHW and channels-last are the same order
   const int64_t N = m.size(0), H = m.size(2), W = m.size(3);
   at::Tensor active = at::empty({N, bcount[0], bcount[1]}, m.options().dtype(at::kBool));
   const int64_t total = active.numel();
   if (total > 0) {
-    SBNET_DISPATCH_FLOAT(m.scalar_type(), "sbnet::reduce_mask", [&] {
+    SBNET_DISPATCH_FLOAT(m.scalar_type(), "sbnet::block_activity", [&] {
       Exec::launch(total, ReduceMaskFn<scalar_t>{m.const_data_ptr<scalar_t>(), active.mutable_data_ptr<bool>(), H, W,
                                                  bcount[0], bcount[1], g, tol, avgpool});
     });
   }
+  return active;
+}
+
+template <class Exec>
+at::Tensor block_activity(const at::Tensor& mask, c10::IntArrayRef bsize, c10::IntArrayRef bstride,
+                          c10::IntArrayRef boffset, c10::IntArrayRef bcount, double tol, bool avgpool) {
+  return activity<Exec>("sbnet::block_activity", mask, bsize, bstride, boffset, bcount, tol, avgpool);
+}
+
+template <class Exec>
+at::Tensor reduce_mask(const at::Tensor& mask, c10::IntArrayRef bsize, c10::IntArrayRef bstride,
+                       c10::IntArrayRef boffset, c10::IntArrayRef bcount, double tol, bool avgpool) {
+  const at::Tensor active = activity<Exec>("sbnet::reduce_mask", mask, bsize, bstride, boffset, bcount, tol, avgpool);
+  const typename Exec::Guard guard(mask.device());
   // CUDA's nonzero returns its [K, 3] result transposed (column-major); the indices must be row-major
   // contiguous like the CPU kernel's: every op copies non-contiguous indices, and the Python wrappers re-check
   // (sort + host sync) indices they cannot recognize as reduce_mask's own (first H200 profile: 46 sorts and

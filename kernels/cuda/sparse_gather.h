@@ -89,7 +89,7 @@ at::Tensor sparse_gather_backward(const at::Tensor& grad_blocks, const at::Tenso
   check_float(op, "grad_blocks", grad_blocks);
   TORCH_CHECK(input_size.size() == 4 && input_size[0] >= 0 && input_size[1] >= 0 && input_size[2] >= 0 &&
                   input_size[3] >= 0,
-              op, ": input_size must be 4 sizes [N, C, H, W], got ", input_size);
+              op, ": input_size must be 4 sizes [N, C, H, W], got ", dims(input_size));
   const Grid g = make_grid(op, grad_blocks.sizes().slice(2), bstride, boffset);
   check_indices(op, indices, grad_blocks);
   check_blocks(op, "grad_blocks", grad_blocks, indices.size(0), input_size[1]);

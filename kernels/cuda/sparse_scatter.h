@@ -45,8 +45,8 @@ struct ScatterBackwardFn {
 // The tile grid (size = tile, stride >= tile) of a scatter into map [N, C, H, W].
 inline Grid tile_grid(const char* op, c10::IntArrayRef tile, c10::IntArrayRef bstride, c10::IntArrayRef boffset) {
   const Grid g = make_grid(op, tile, bstride, boffset);
-  TORCH_CHECK(g.stride_h >= g.size_h && g.stride_w >= g.size_w, op, ": tiles ", tile,
-              " would overlap with block stride ", bstride);
+  TORCH_CHECK(g.stride_h >= g.size_h && g.stride_w >= g.size_w, op, ": tiles ", dims(tile),
+              " would overlap with block stride ", dims(bstride));
   return g;
 }
 
@@ -122,8 +122,8 @@ std::tuple<at::Tensor, at::Tensor> sparse_scatter_backward(const at::Tensor& gra
     check_dim4(op, "out_tiles", *on, "[K, C, th, tw]");
     check_like(op, "out_tiles", *on, "grad_out", grad_out);
     check_blocks(op, "out_tiles", *on, K, C);
-    TORCH_CHECK(on->size(2) == g.size_h && on->size(3) == g.size_w, op, ": out_tiles ", on->sizes(),
-                " does not match the tile ", tile);
+    TORCH_CHECK(on->size(2) == g.size_h && on->size(3) == g.size_w, op, ": out_tiles ", dims(on->sizes()),
+                " does not match the tile ", dims(tile));
     check_layout(op, "out_tiles", *on, nhwc);
   }
   const typename Exec::Guard guard(grad_out.device());

@@ -57,6 +57,7 @@ TORCH_LIBRARY_IMPL(sbnet_emu, CPU, m) {
   using sbnet::emulate::EmuExec;
   namespace plan = sbnet::plan;
   m.impl("reduce_mask", &plan::reduce_mask<EmuExec>);
+  m.impl("block_activity", &plan::block_activity<EmuExec>);
   m.impl("sparse_gather", &plan::sparse_gather<EmuExec>);
   m.impl("sparse_gather_backward", &plan::sparse_gather_backward<EmuExec>);
   m.impl("sparse_gather_backward_", &plan::sparse_gather_backward_<EmuExec>);
