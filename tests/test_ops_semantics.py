@@ -91,32 +91,23 @@ def random_indices(N: int, bp, frac: float, gen: torch.Generator) -> torch.Tenso
 # ---------------------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("geom", GEOMETRIES)
 @pytest.mark.parametrize("avgpool", [False, True])
-def test_reduce_mask_matches_brute_force(impl, geom, avgpool):
+def test_reduce_mask_and_block_activity_match_brute_force(impl, geom, avgpool):
+    """reduce_mask lists exactly the blocks the rule activates; block_activity flags exactly those (one flag per
+    block of the grid) and its sum counts them."""
     H, W, bsize, ksize, stride, padding = geom
     bp = calc_block_params(H, W, bsize, ksize, stride, padding)
     gen = torch.Generator().manual_seed(10 * GEOMETRIES.index(geom) + avgpool)
     # quarter steps: means are exact in float64, so the comparison with tol is exact too
     mask = (torch.rand((2, 1, H, W), generator=gen) ** 3 * 4).floor() / 4
     for tol in (0.0, 0.2, 0.5):
+        expected = oracle_reduce_mask(mask.numpy(), bp, tol, avgpool)
         got = impl.reduce_mask(mask, bp, tol, avgpool)
         assert got.dtype == torch.int32 and got.shape[1] == 3
-        assert [tuple(r) for r in got.tolist()] == oracle_reduce_mask(mask.numpy(), bp, tol, avgpool)
-
-
-@pytest.mark.parametrize("geom", GEOMETRIES)
-@pytest.mark.parametrize("avgpool", [False, True])
-def test_block_activity_matches_brute_force(impl, geom, avgpool):
-    """One flag per block of the grid, true exactly for the blocks the rule activates; its sum counts them."""
-    H, W, bsize, ksize, stride, padding = geom
-    bp = calc_block_params(H, W, bsize, ksize, stride, padding)
-    gen = torch.Generator().manual_seed(10 * GEOMETRIES.index(geom) + avgpool)
-    mask = (torch.rand((2, 1, H, W), generator=gen) ** 3 * 4).floor() / 4
-    for tol in (0.0, 0.2, 0.5):
-        got = impl.block_activity(mask, bp, tol, avgpool)
-        expected = oracle_reduce_mask(mask.numpy(), bp, tol, avgpool)
-        assert got.dtype == torch.bool and got.shape == (2, bp.bcount_h, bp.bcount_w)
-        assert [tuple(r) for r in got.nonzero().tolist()] == expected
-        assert int(got.sum()) == len(expected)
+        assert [tuple(r) for r in got.tolist()] == expected
+        flags = impl.block_activity(mask, bp, tol, avgpool)
+        assert flags.dtype == torch.bool and flags.shape == (2, bp.bcount_h, bp.bcount_w)
+        assert [tuple(r) for r in flags.nonzero().tolist()] == expected
+        assert int(flags.sum()) == len(expected)
 
 
 def test_block_activity_by_hand(impl):
