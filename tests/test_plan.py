@@ -60,6 +60,27 @@ def test_choice_follows_the_cost_rule():
     assert choose([fixed], flat_cost(), training=False).choices == (16,)
 
 
+def test_estimates_follow_each_cost_model_on_the_same_chain():
+    """The parts of an estimate that do not depend on the active blocks are kept per chain, cost model and shape:
+    the same chain priced under two cost models gives each model's own figure (the module docstring's terms: a
+    3x3 conv 8 -> 8 on 1 x 64 x 64, dense: MACs * dense_mac + BN and ReLU passes over its output; sparse, 5
+    blocks of tile 8: each block's halo'd MACs, 3 passes over its output level, its gather and scatter, plus the
+    zero map it writes into)."""
+    (chain,) = conv_stage()
+    macs, px = 64 * 64 * 8 * 8 * 9, 64 * 64 * 8
+    block_macs, block_px, moved = 8 * 8 * 8 * 8 * 9, 8 * 8 * 8, (10 * 10 + 8 * 8) * 8
+    for k in (1.0, 3.0, 1.0):  # back to the first model: its entries are still its own
+        c = CostModel(dense_mac=k * UNIT, block_mac=((8, 2 * k * UNIT),), move=5 * UNIT, pass_=k * 7 * UNIT,
+                      dense_unit=0.0, sparse_unit=0.0, dense_unit_train=1e-3, sparse_unit_train=2e-3)
+        assert c.dense(chain, 1, 64, 64, training=False) == pytest.approx(macs * k * UNIT + px * 2 * k * 7 * UNIT)
+        assert c.dense(chain, 1, 64, 64, training=True) == pytest.approx(
+            3 * (macs * k * UNIT + px * 2 * k * 7 * UNIT) + 1e-3)
+        per_block = block_macs * 2 * k * UNIT + 3 * block_px * k * 7 * UNIT + moved * 5 * UNIT
+        assert c.sparse(chain, 1, 64, 64, 8, 5, "zeros", training=False) == pytest.approx(
+            5 * per_block + px * k * 7 * UNIT)
+        assert c.sparse(chain, 1, 64, 64, 8, 5, "inplace", training=True) == pytest.approx(3 * 5 * per_block + 2e-3)
+
+
 def test_a_stage_no_count_could_make_sparse_is_not_measured(monkeypatch):
     """With 1 s per sparse unit no count of active blocks - not even none - makes a candidate cheaper than dense
     (a sparse estimate only grows with its blocks), so the stage is not measured (no reduce_mask) and the plan is

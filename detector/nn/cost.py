@@ -24,12 +24,14 @@ unreadable is recomputed with one warning. Given the file, the plan is a pure fu
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import platform
 import time
 import warnings
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -92,40 +94,71 @@ class CostModel:
     # ------------------------------------------------------------------------------------ estimates
     def dense(self, chain, N: int, H: int, W: int, training: bool) -> float:
         """Estimated seconds of ``chain`` (a SparseConvChain) run dense on an ``N x H x W`` map."""
-        work = dense_macs(chain, N, H, W) * self.dense_mac
-        h, w = H, W
-        for spec, conv in zip(chain.specs, chain.convs, strict=True):
-            h = (h + 2 * spec.padding - spec.ksize) // spec.stride + 1
-            w = (w + 2 * spec.padding - spec.ksize) // spec.stride + 1
-            work += N * h * w * conv.out_channels * 2 * self.pass_
-        px_out = N * h * w * chain.out_channels
-        if chain.shortcut == "projection":
-            work += px_out * self.pass_
-        if chain.shortcut != "none":
-            work += px_out * self.pass_
-        return (3 if training else 1) * work + (self.dense_unit_train if training else self.dense_unit)
+        return (3 if training else 1) * _dense_work(self, chain, N, H, W) + (
+            self.dense_unit_train if training else self.dense_unit)
 
     def sparse(self, chain, N: int, H: int, W: int, tile: int, blocks: int, base: str, training: bool) -> float:
         """Estimated seconds of ``chain`` run sparse on ``blocks`` active blocks of output ``tile``.
 
         ``base``: the map the tiles are written into - "zeros" (a fresh zero map), "copy" (a copy of the
         input map: a stage's first identity unit) or "inplace" (the stage's own intermediate)."""
-        geo = chain.geometry(H, W, tile)
-        lv = geo.levels
-        area = [lv_.extent[0] * lv_.extent[1] for lv_ in lv]
-        per_block = sparse_macs(chain, H, W, tile, 1) * self.mac_per_tile(tile)
-        for i, conv in enumerate(chain.convs):
-            per_block += 3 * area[i + 1] * conv.out_channels * self.pass_
-        per_block += (area[0] * chain.in_channels + tile * tile * chain.out_channels) * self.move
-        work = blocks * per_block
-        Ho, Wo = lv[-1].map_size
-        if base == "zeros":
-            work += N * Ho * Wo * chain.out_channels * self.pass_
-        elif base == "copy":
-            work += N * H * W * chain.in_channels * self.pass_
-        elif base != "inplace":
-            raise ValueError(f"CostModel.sparse: base must be zeros, copy or inplace, got {base!r}")
+        per_block, map_work = _sparse_work(self, chain, N, H, W, tile, base)
+        work = blocks * per_block + map_work
         return (3 if training else 1) * work + (self.sparse_unit_train if training else self.sparse_unit)
+
+
+# The plan prices every stage's options on every batch; what does not depend on the active blocks is computed once
+# per (chain, cost model, shape) and kept beside the chain (weakly: a dropped model takes its entries along). A
+# chain's geometry and channels are fixed at construction.
+_MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _memoized(fn):
+    @functools.wraps(fn)
+    def cached(*args):
+        chain, key = (args[1], args) if isinstance(args[0], CostModel) else (args[0], args)
+        per_chain = _MEMO.setdefault(chain, {})
+        key = (fn.__name__, *(a for a in key if a is not chain))
+        if key not in per_chain:
+            per_chain[key] = fn(*args)
+        return per_chain[key]
+    return cached
+
+
+@_memoized
+def _dense_work(cost: CostModel, chain, N: int, H: int, W: int) -> float:
+    work = dense_macs(chain, N, H, W) * cost.dense_mac
+    h, w = H, W
+    for spec, conv in zip(chain.specs, chain.convs, strict=True):
+        h = (h + 2 * spec.padding - spec.ksize) // spec.stride + 1
+        w = (w + 2 * spec.padding - spec.ksize) // spec.stride + 1
+        work += N * h * w * conv.out_channels * 2 * cost.pass_
+    px_out = N * h * w * chain.out_channels
+    if chain.shortcut == "projection":
+        work += px_out * cost.pass_
+    if chain.shortcut != "none":
+        work += px_out * cost.pass_
+    return work
+
+
+@_memoized
+def _sparse_work(cost: CostModel, chain, N: int, H: int, W: int, tile: int, base: str) -> tuple[float, float]:
+    """(work per active block, work of the map the tiles are written into) of :meth:`CostModel.sparse`."""
+    geo = chain.geometry(H, W, tile)
+    lv = geo.levels
+    area = [lv_.extent[0] * lv_.extent[1] for lv_ in lv]
+    per_block = _sparse_macs_per_block(chain, H, W, tile) * cost.mac_per_tile(tile)
+    for i, conv in enumerate(chain.convs):
+        per_block += 3 * area[i + 1] * conv.out_channels * cost.pass_
+    per_block += (area[0] * chain.in_channels + tile * tile * chain.out_channels) * cost.move
+    Ho, Wo = lv[-1].map_size
+    if base == "zeros":
+        return per_block, N * Ho * Wo * chain.out_channels * cost.pass_
+    if base == "copy":
+        return per_block, N * H * W * chain.in_channels * cost.pass_
+    if base != "inplace":
+        raise ValueError(f"CostModel.sparse: base must be zeros, copy or inplace, got {base!r}")
+    return per_block, 0.0
 
 
 # ------------------------------------------------------------------------------------------ MAC counts
@@ -134,6 +167,7 @@ def _conv_inputs(chain) -> list[int]:
     return [chain.in_channels] + [c.out_channels for c in chain.convs][:-1]
 
 
+@_memoized
 def dense_macs(chain, N: int, H: int, W: int) -> int:
     """Multiply-accumulates of ``chain`` (a SparseConvChain) run dense on an ``N x H x W`` map (its
     convolutions and the projection shortcut)."""
@@ -152,6 +186,11 @@ def sparse_macs(chain, H: int, W: int, tile: int, blocks: int) -> int:
     """Multiply-accumulates of ``chain`` run sparse on ``blocks`` active blocks of output ``tile`` on an
     ``H x W`` map: every convolution over its whole block extent, halos included (the halos are the price
     of VALID convolutions on gathered blocks), the projection over the output tile's extent."""
+    return blocks * _sparse_macs_per_block(chain, H, W, tile)
+
+
+@_memoized
+def _sparse_macs_per_block(chain, H: int, W: int, tile: int) -> int:
     lv = chain.geometry(H, W, tile).levels
     area = [v.extent[0] * v.extent[1] for v in lv]
     cins = _conv_inputs(chain)
@@ -159,7 +198,7 @@ def sparse_macs(chain, H: int, W: int, tile: int, blocks: int) -> int:
                     for i, (spec, cin, conv) in enumerate(zip(chain.specs, cins, chain.convs, strict=True)))
     if chain.shortcut == "projection":
         per_block += area[-1] * chain.in_channels * chain.out_channels
-    return blocks * per_block
+    return per_block
 
 
 # ------------------------------------------------------------------------------------------ calibration
