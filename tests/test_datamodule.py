@@ -90,21 +90,36 @@ def test_loader_state_resumes_after_the_processed_batches():
     assert [i for batch in fresh for i in batch] == full[6:]
 
 
-def _train_batches(root, workers: int, threads: int, n: int = 2):
+def _train_batches(root, workers: int, threads: int, n: int = 2, extra: tuple[str, ...] = (), epochs=(1,)):
     GlobalHydra.instance().clear()
     with initialize_config_dir(str(config_dir()), version_base="1.3"):
         cfg = compose("train", overrides=[f"data.root={root}", "paths.output_dir=/tmp/unused", "data.batch_size=2",
                                           f"data.num_workers={workers}", "bev.x_range=[0,25.6]",
-                                          "bev.y_range=[-12.8,12.8]", "mask=road_map"])
+                                          "bev.y_range=[-12.8,12.8]", "mask=road_map", *extra])
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         dm = build_datamodule(cfg.data, cfg.mask, build_grid(cfg.bev), sparse=True)
-        loader = dm.train_dataloader()
-        loader.sampler.set_epoch(1)
-        return [b for b, _ in zip(loader, range(n), strict=False)]
+        batches = []
+        for epoch in epochs:
+            loader = dm.train_dataloader()
+            loader.sampler.set_epoch(epoch)
+            batches += [b for b, _ in zip(loader, range(n), strict=False)]
+        return batches
     finally:
         torch.set_num_threads(before)
+
+
+def test_frame_cache_changes_no_training_batch(tiny_root):
+    """The default training data from frames held in memory (data.cache_mb; the second epoch is served from it) is the
+    data read from the files every time (cache_mb=0), augmentation and road-map mask included."""
+    a = _train_batches(tiny_root, workers=0, threads=1, extra=("data.cache_mb=0",), epochs=(0, 1))
+    b = _train_batches(tiny_root, workers=0, threads=1, extra=("data.cache_mb=64",), epochs=(0, 1))
+    assert len(a) == len(b) == 4
+    for x, y in zip(a, b, strict=True):
+        assert [f.frame_id for f in x.frames] == [f.frame_id for f in y.frames]
+        assert torch.equal(x.points, y.points) and torch.equal(x.mask, y.mask)
+        assert all(torch.equal(p.tensor, q.tensor) for p, q in zip(x.gt_boxes, y.gt_boxes, strict=True))
 
 
 def test_augmented_batches_do_not_depend_on_workers_or_threads(tiny_root):

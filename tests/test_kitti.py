@@ -276,6 +276,44 @@ def test_dataset_bad_frames_raise_or_skip(tmp_path):
     assert ds[0].frame_id == ids[3] and ds.skipped[-1][0] == ids[0]
 
 
+def test_dataset_cache_serves_the_same_frames_and_hands_out_own_arrays(tmp_path):
+    root, ids = _root(tmp_path)
+    plain = KittiDataset(root, "train", fov_only=False)
+    cached = KittiDataset(root, "train", fov_only=False, cache_mb=1)
+    for i in range(3):  # first loads fill the cache
+        cached[i]
+    assert len(cached._cache) == 3
+    (root / "training/velodyne" / f"{ids[1]}.bin").unlink()
+    with pytest.raises(KittiFormatError, match="000001.bin"):
+        plain[1]
+    f = cached[1]  # held in memory: its files are not read again
+    f0 = plain[0]
+    c0 = cached[0]
+    np.testing.assert_array_equal(c0.points, f0.points)
+    assert torch.equal(c0.gt_boxes.tensor, f0.gt_boxes.tensor) and list(c0.gt_names) == list(f0.gt_names)
+    assert len(c0.labels) == len(f0.labels) and f.frame_id == ids[1] and f.points.shape == (100, 4)
+    # writing into what one load returned changes nothing the next load returns
+    c0.points[:] = 0
+    c0.gt_boxes.tensor[:] = 0
+    c0.gt_names[:] = "X"
+    again = cached[0]
+    np.testing.assert_array_equal(again.points, f0.points)
+    assert torch.equal(again.gt_boxes.tensor, f0.gt_boxes.tensor) and list(again.gt_names) == list(f0.gt_names)
+
+
+def test_dataset_cache_keeps_to_its_budget(tmp_path):
+    root, ids = _root(tmp_path, n=4)
+    one = 100 * 4 * 4 + 8 * 7 * 4 + 4096  # a frame's points, its 8 boxes, the allowance for the rest
+    ds = KittiDataset(root, "train", fov_only=False, cache_mb=2.5 * one / 2**20)
+    frames = [ds[i] for i in range(4)]
+    assert list(ds._cache) == ids[:2] and ds._cached == 2 * one  # the first two fit, the others are read each time
+    assert [f.frame_id for f in frames] == ids
+    assert len(KittiDataset(root, "train", fov_only=False)._cache) == 0  # off by default
+    for bad in (-1, "512", True):
+        with pytest.raises(ValueError, match="data.cache_mb"):
+            KittiDataset(root, "train", cache_mb=bad)
+
+
 def test_imageset_and_road_map(tmp_path):
     (tmp_path / "s.txt").write_text("000001\nabc\n")
     with pytest.raises(KittiFormatError, match=r"s.txt:2: frame id must be digits"):

@@ -130,6 +130,7 @@ class KittiDataModule(L.LightningDataModule):
         seed: int = 0,
         pin_memory: bool = False,
         fov_only: bool = True,
+        cache_mb: float = 0.0,
     ):
         super().__init__()
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -148,6 +149,7 @@ class KittiDataModule(L.LightningDataModule):
         self.seed = seed
         self.pin_memory = pin_memory
         self.fov_only = fov_only
+        self.cache_mb = cache_mb
         self.datasets: dict[str, KittiDataset] = {}
 
     def dataset(self, stage: str) -> KittiDataset:
@@ -162,6 +164,7 @@ class KittiDataModule(L.LightningDataModule):
             self.datasets[stage] = KittiDataset(
                 self.root, split, road_map=needs_road, skip_bad_frames=self.skip_bad_frames,
                 transform=self.augment if stage == "train" else None, seed=self.seed, fov_only=self.fov_only,
+                cache_mb=self.cache_mb,
             )
         return self.datasets[stage]
 

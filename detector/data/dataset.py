@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -29,6 +30,12 @@ class KittiDataset(torch.utils.data.Dataset):
     ``self.skipped`` (a frame whose points turn out bad at load time is then replaced by the next one).
     ``fov_only`` keeps the points that project into the left colour camera's image (as KITTI detectors
     do: objects outside it are not labeled).
+
+    ``cache_mb``: frames as read (files parsed, points cut to the camera's view) are kept in memory up to this
+    many MiB (0: none), the first ones loaded, so that later epochs skip the files and the view test - about 4 ms
+    of each frame's ~13 ms of loading on make train's CPU; the augmentation runs on every load as before. Every
+    load hands out its own arrays (a transform or a consumer may write into them). Each DataLoader worker process
+    keeps its own cache.
     """
 
     def __init__(
@@ -40,7 +47,10 @@ class KittiDataset(torch.utils.data.Dataset):
         transform: Callable[[Frame, np.random.Generator], Frame] | None = None,
         seed: int = 0,
         fov_only: bool = True,
+        cache_mb: float = 0.0,
     ):
+        if not (isinstance(cache_mb, (int, float)) and not isinstance(cache_mb, bool) and cache_mb >= 0):
+            raise ValueError(f"data.cache_mb must be a number >= 0 (MiB), got {cache_mb!r}")
         self.root = KittiRoot(root)
         self.split = split
         self.road_map = road_map
@@ -49,6 +59,9 @@ class KittiDataset(torch.utils.data.Dataset):
         self.seed = seed
         self.fov_only = fov_only
         self.epoch = 0
+        self.cache_bytes = int(cache_mb * 2**20)
+        self._cache: dict[str, Frame] = {}
+        self._cached = 0  # bytes held
         self.skipped: list[tuple[str, str]] = []  # (frame id, reason)
         ids = self.root.imageset(split)
         if road_map and not self.root.has_road_maps():
@@ -104,15 +117,37 @@ class KittiDataset(torch.utils.data.Dataset):
         for k in range(len(self.ids)):
             frame_id = self.ids[(index + k) % len(self.ids)]
             try:
-                frame = self.root.read_frame(frame_id, road_map=self.road_map)
+                frame = self._load(frame_id)
             except KittiFormatError as e:
                 self._bad(frame_id, e)
                 log.warning("skipping bad frame %s", e)
                 continue
-            if self.fov_only:  # KITTI labels objects in the camera's view only
-                frame.points = frame.points[in_camera_fov(frame.points, frame.calib, frame.image_size or IMAGE_SIZE)]
             if self.transform is not None:
                 rng = np.random.default_rng([self.seed, self.epoch, index])
                 frame = self.transform(frame, rng)
             return frame
         raise KittiFormatError(self.root.root, f"no loadable frame in split {self.split}")
+
+    def _load(self, frame_id: str) -> Frame:
+        """The frame as read, its points cut to the camera's view with ``fov_only`` (KITTI labels objects in the
+        camera's view only), from the cache when it holds it; the caller owns the arrays it gets."""
+        frame = self._cache.get(frame_id)
+        if frame is None:
+            frame = self.root.read_frame(frame_id, road_map=self.road_map)
+            if self.fov_only:
+                frame.points = frame.points[in_camera_fov(frame.points, frame.calib, frame.image_size or IMAGE_SIZE)]
+            size = _frame_bytes(frame)
+            if self._cached + size > self.cache_bytes:
+                return frame
+            self._cache[frame_id] = frame
+            self._cached += size
+        return dataclasses.replace(frame, points=frame.points.copy(), gt_boxes=frame.gt_boxes.clone(),
+                                   gt_names=frame.gt_names.copy())
+
+
+def _frame_bytes(frame: Frame) -> int:
+    """Memory a cached frame holds: its points, boxes, road map raster, plus 4 KiB for the rest (calibration,
+    labels)."""
+    road = 0 if frame.road_map is None else frame.road_map.raster.nbytes
+    boxes = frame.gt_boxes.tensor
+    return frame.points.nbytes + boxes.numel() * boxes.element_size() + road + 4096
