@@ -55,11 +55,16 @@ def bev_boxes_overlap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     b = np.asarray(b, dtype=np.float64).reshape(-1, 5)
     if len(a) == 0 or len(b) == 0:
         return np.zeros((len(a), len(b)), dtype=bool)
-    ca, sa = np.cos(a[:, 4])[:, None], np.sin(a[:, 4])[:, None]  # [N, 1]
-    cb, sb = np.cos(b[:, 4])[None, :], np.sin(b[:, 4])[None, :]  # [1, M]
-    dx, dy = b[None, :, 0] - a[:, None, 0], b[None, :, 1] - a[:, None, 1]  # [N, M]
-    hla, hwa, hlb, hwb = a[:, 2, None] / 2, a[:, 3, None] / 2, b[None, :, 2] / 2, b[None, :, 3] / 2
-    separated = np.zeros((len(a), len(b)), dtype=bool)
+    return _overlap(a[:, None, :], b[None, :, :])
+
+
+def _overlap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """:func:`bev_boxes_overlap` of the boxes ``a [..., 5]`` and ``b [..., 5]`` paired by broadcasting (float64):
+    ``[..., 1, 5]`` against ``[1, ..., 5]`` is the table of every pair, equal shapes pair them one to one."""
+    ca, sa, cb, sb = np.cos(a[..., 4]), np.sin(a[..., 4]), np.cos(b[..., 4]), np.sin(b[..., 4])
+    dx, dy = b[..., 0] - a[..., 0], b[..., 1] - a[..., 1]
+    hla, hwa, hlb, hwb = a[..., 2] / 2, a[..., 3] / 2, b[..., 2] / 2, b[..., 3] / 2
+    separated = np.zeros(np.broadcast_shapes(dx.shape, ca.shape, cb.shape), dtype=bool)
     # The axes (kx, ky): a's heading u = (c, s) and normal v = (-s, c), then b's. Projection half-length of a
     # rectangle on an axis k: (l/2)|u.k| + (w/2)|v.k|; the centres' distance along it: |d.k|.
     for kx, ky in ((ca, sa), (-sa, ca), (cb, sb), (-sb, cb)):
@@ -70,8 +75,13 @@ def bev_boxes_overlap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return ~separated
 
 
-def _rotate_xy(xy: np.ndarray, angle: float) -> np.ndarray:
-    c, s = math.cos(angle), math.sin(angle)
+def _rotate_xy(xy: np.ndarray, angle: float | np.ndarray, repeats: list[int] | None = None) -> np.ndarray:
+    """``xy [..., 2]`` rotated by ``angle`` about the origin; with ``repeats``, ``angle`` holds one angle per run of
+    ``repeats[i]`` consecutive rows."""
+    if repeats is None:
+        c, s = math.cos(angle), math.sin(angle)
+    else:
+        c, s = (np.repeat([f(a) for a in angle], repeats) for f in (math.cos, math.sin))
     return np.stack([c * xy[..., 0] - s * xy[..., 1], s * xy[..., 0] + c * xy[..., 1]], axis=-1)
 
 
@@ -239,34 +249,43 @@ class ObjectNoise(_Op):
         cand[:, 0:3] += shift[tried].reshape(-1, 3)
         cand[:, 6] += turn[tried].reshape(-1)
         # Objects move one after the other, each checked against the others where they are at its turn: the
-        # original box of one not moved (yet), the chosen candidate of one moved before. The table against the
-        # original boxes is computed at once (the overlap test is per pair, so the answers are those of testing
-        # each object on its own); a moved object's candidate is tested only when the two objects can reach each
-        # other (centres within both circumscribed radii plus both objects' largest draw, 1 m to spare): any
-        # other pair lies apart by more than that, where the test answers False.
+        # original box of one not moved (yet), the chosen candidate of one moved before. The tables against the
+        # original boxes and between the candidates of two objects that can reach each other (centres within both
+        # circumscribed radii plus both objects' largest draw, 1 m to spare; any other pair lies apart by more
+        # than that, where the test answers False) are computed at once: the overlap test is per pair, so the
+        # answers are those of testing each object on its own.
         bev = [0, 1, 3, 4, 6]
         vs_orig = bev_boxes_overlap(cand[:, bev], boxes[:, bev])  # [len(tried) * T, n]
         reach = np.hypot(boxes[:, 3], boxes[:, 4]) / 2 + np.abs(shift[:, :, :2]).sum(axis=2).max(axis=1)
         near = np.hypot(*(boxes[:, None, :2] - boxes[None, :, :2]).transpose(2, 0, 1)) <= reach[:, None] + reach + 1.0
-        chosen: dict[int, int] = {}  # object -> row of its applied candidate
+        by_obj = cand[:, bev].reshape(len(tried), T, 5)
+        later, earlier = np.nonzero(np.tril(near[np.ix_(tried, tried)], -1))  # positions in tried, later first
+        vs_cand = _overlap(by_obj[later][:, :, None], by_obj[earlier][:, None, :])  # [pairs, T (later), T (earlier)]
+        pair_of = {(int(p), int(q)): m for m, (p, q) in enumerate(zip(later, earlier, strict=True))}
+        chosen: dict[int, int] = {}  # position in tried -> its applied draw
         for p, i in enumerate(tried):
-            rows = slice(p * T, (p + 1) * T)
-            hit_table = vs_orig[rows].copy()
-            hit_table[:, [i, *chosen]] = False
-            close = [j for j in chosen if near[i, j]]
-            if close:
-                hit_table[:, close] = bev_boxes_overlap(cand[rows][:, bev], cand[[chosen[j] for j in close]][:, bev])
+            hit_table = vs_orig[p * T:(p + 1) * T].copy()
+            hit_table[:, [i, *(tried[q] for q in chosen)]] = False
+            for q, k in chosen.items():
+                m = pair_of.get((p, q))
+                if m is not None:
+                    hit_table[:, tried[q]] = vs_cand[m, :, k]
             hit = hit_table.any(axis=1)
             if hit.all():
                 continue
-            k = int(np.argmin(hit))  # first collision-free draw
-            sel = members[i]
-            local = pts[sel, :2] - boxes[i, :2]
-            pts[sel, :2] = _rotate_xy(local, float(turn[i, k])) + cand[p * T + k, :2]
-            pts[sel, 2] += shift[i, k, 2]
-            boxes[i] = cand[p * T + k]
-            chosen[int(i)] = p * T + k
-            moved[i] = True
+            chosen[p] = int(np.argmin(hit))  # first collision-free draw
+        # Move the chosen objects' boxes and points (no point belongs to two movable objects).
+        moved[tried[list(chosen)]] = True
+        if chosen:
+            ps, ks = np.fromiter(chosen, np.int64), np.fromiter(chosen.values(), np.int64)
+            objs, rows = tried[ps], ps * T + ks
+            sel = [members[i] for i in objs]
+            n_pts = [len(x) for x in sel]
+            idx = np.concatenate(sel)
+            local = pts[idx, :2] - np.repeat(boxes[objs, :2], n_pts, axis=0)
+            pts[idx, :2] = _rotate_xy(local, turn[objs, ks], n_pts) + np.repeat(cand[rows, :2], n_pts, axis=0)
+            pts[idx, 2] += np.repeat(shift[objs, ks, 2], n_pts)
+            boxes[objs] = cand[rows]
         out_pts = pts.astype(np.float32)
         out_pts[:, 3] = frame.points[:, 3]
         new_boxes = _boxes_like(torch.from_numpy(boxes), frame.gt_boxes)
