@@ -121,3 +121,17 @@ def test_region_batch_norm_gradient_equals_batch_norm_when_the_region_is_the_map
     torch.testing.assert_close(y, y_ref)
     for a, b in zip(grads, grads_ref, strict=True):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("shape", [(41_617, 24), (23_001, 48), (8_000, 24), (9_800, 64)])
+def test_channel_sums_are_the_column_sums(shape):
+    """The per-channel sums BN takes (folded side by side for long, narrow matrices on the CPU; the last, partial
+    fold summed on its own) equal the column sums, to float32 rounding of a 40k-term sum."""
+    from detector.nn.norm import _channel_sums
+
+    rows = torch.randn(*shape, generator=torch.Generator().manual_seed(0)) + 3.0
+    want = rows.double().sum(0)
+    got = _channel_sums(rows)
+    assert got.shape == (shape[1],) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-2)
+    assert torch.equal(_channel_sums(rows), got)  # deterministic

@@ -63,9 +63,23 @@ def region_moments(z: torch.Tensor, level: Level, masks: LevelMasks) -> Moments:
     """
     rows = _region_rows(z, level, masks)  # some tile regions stick out of the map: the in-map pixels only
     n = float(masks.count)
-    mean = rows.sum(0) / n
+    mean = _channel_sums(rows) / n
     d = rows - mean
-    return Moments(mean=mean, var=(d * d).sum(0) / n, count=masks.count)
+    return Moments(mean=mean, var=_channel_sums(d * d) / n, count=masks.count)
+
+
+def _channel_sums(rows: torch.Tensor) -> torch.Tensor:
+    """Per-channel sums of ``rows [pixels, C]``. torch 2.13's CPU reduction over the rows of a long, narrow matrix is
+    slow (make train's stem, 73.5k x 24: 0.63 ms on its CPU); summing ``1024 // C`` rows side by side first (a view)
+    takes 0.23 ms there (41.6k x 24: 0.36 -> 0.11, 25k x 24: 0.14 -> 0.05, 15k x 48: 0.12 -> 0.06 ms). Smaller or
+    wider matrices, where the direct sum was as fast or faster (8k x 24: 0.015 vs 0.024, 9.8k x 64: 0.07 vs 0.10 ms),
+    and other devices sum directly."""
+    P, C = rows.shape
+    if rows.device.type != "cpu" or C > 48 or P * C < 2**19:
+        return rows.sum(0)
+    k = 1024 // C
+    q = P // k * k
+    return rows[:q].reshape(-1, k * C).sum(0).view(k, C).sum(0) + rows[q:].sum(0)
 
 
 def _region_rows(z: torch.Tensor, level: Level, masks: LevelMasks) -> torch.Tensor:
@@ -115,8 +129,8 @@ class _RegionBatchNorm(torch.autograd.Function):
         K, C = z.shape[:2]
         n = float(masks.count)
         g_rows = g.permute(0, 2, 3, 1).reshape(-1, C)
-        sum_g = g_rows.sum(0)
-        sum_gx = (g_rows * z.permute(0, 2, 3, 1).reshape(-1, C)).sum(0) - mean * sum_g  # sum g * (z - mean)
+        sum_g = _channel_sums(g_rows)
+        sum_gx = _channel_sums(g_rows * z.permute(0, 2, 3, 1).reshape(-1, C)) - mean * sum_g  # sum g * (z - mean)
         a = inv if weight is None else weight * inv
         dz = g * a.view(1, C, 1, 1)
         c1 = -a * inv * inv * sum_gx / n
