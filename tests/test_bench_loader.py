@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
-from tests.test_train import REPO
+from tests.conftest import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_loader", REPO / "scripts" / "bench_loader.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_loader")
 
 
 def test_loader_benchmark_times_both_datasets_and_fills_the_cache(tmp_path, tiny_root):

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 from detector.tasks import train
-from tests.test_train import REPO, _cfg
+from tests.conftest import load_script
+from tests.test_train import _cfg
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_model", REPO / "scripts" / "bench_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_model")
 
 
 def test_bench_model_times_a_checkpoint_with_its_bound_and_stage_times(tmp_path, tiny_root):

@@ -3,7 +3,6 @@ metrics.json plus recall by distance, a mask the checkpoint cannot run reported 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -12,15 +11,13 @@ import pytest
 import torch
 
 from detector.data.kitti_labels import read_label
+from tests.conftest import load_script
 from tests.test_eval_app import car_root, oracle, predicted_ckpt  # noqa: F401 (fixtures)
 from tests.test_train import REPO
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_sim2real", REPO / "scripts" / "bench_sim2real.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_sim2real")
 
 
 def _distances(root: Path) -> np.ndarray:

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 from detector.tasks import train
-from tests.test_train import REPO, _cfg
+from tests.conftest import load_script
+from tests.test_train import _cfg
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_tradeoff", REPO / "scripts" / "bench_tradeoff.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_tradeoff")
 
 
 def test_tradeoff_curve_on_a_tiny_checkpoint(tmp_path, tiny_root):

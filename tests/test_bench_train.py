@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 
+from tests.conftest import load_script
 from tests.test_plan import COST_OVERRIDE
-from tests.test_train import REPO, TINY
+from tests.test_train import TINY
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_train", REPO / "scripts" / "bench_train.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_train")
 
 
 def test_bench_train_side_by_side_writes_both_runs(tmp_path, tiny_root):

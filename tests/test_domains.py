@@ -3,7 +3,6 @@ and the domain report (scripts/compare_domains.py) end to end."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -20,6 +19,7 @@ from detector.data.kitti_camera import boxes_to_labels
 from detector.data.kitti_labels import write_label
 from detector.geometry.boxes import Boxes3D
 from detector.resources import config_dir
+from tests.conftest import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 REAL = REPO / ".." / "shared" / "kitti_real"
@@ -27,10 +27,7 @@ GRID = instantiate(OmegaConf.load(config_dir() / "bev" / "small.yaml"))
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("compare_domains", REPO / "scripts" / "compare_domains.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("compare_domains")
 
 
 # --------------------------------------------------------------------------------------------------

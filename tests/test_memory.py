@@ -150,12 +150,9 @@ def test_estimate_command_names_the_largest_batch_that_fits():
 
 
 def _script_module(name: str):
-    import importlib.util
+    from tests.conftest import load_script
 
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(name)
 
 
 def _estimate_command():
