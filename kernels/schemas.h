@@ -44,6 +44,14 @@ inline void define_schemas(torch::Library& m) {
   m.def("sparse_scatter_backward(Tensor grad_out, Tensor indices, Tensor? out_tiles, int[2] tile, "
         "int[2] bstride, int[2] boffset, bool add, bool relu, bool need_blocks, bool need_base) "
         "-> (Tensor, Tensor)");
+  // Batch-norm over tile regions (CPU only; detector/nn/norm.py composes torch ops elsewhere). Blocks
+  // [K, C, e_h, e_w]; region: rows offset .. offset + size of each block; pixels: int64 indices into the
+  // [K * size_h * size_w] region pixels that count (all when absent). Float64 [2, C]: with u = a - center
+  // (a without center), the sums over the counted pixels of u and of u * b (u * u without b).
+  m.def("region_sums(Tensor a, Tensor? b, Tensor? center, int[2] offset, int[2] size, Tensor? pixels) -> Tensor");
+  // dz = g * scale everywhere, plus z * c1 + c0 at the counted region pixels (per channel); dz in g's layout.
+  m.def("region_norm_grad(Tensor g, Tensor z, Tensor scale, Tensor c0, Tensor c1, int[2] offset, int[2] size, "
+        "Tensor? pixels) -> Tensor");
 }
 
 }  // namespace sbnet

@@ -15,6 +15,10 @@ For each fraction of randomly chosen active blocks it times, on one BEV-sized fe
   the layers ran before the kernels read NHWC: ``index_select`` of the blocks' pixel rows with an
   ``index_fill`` of the out-of-map ones; the residual scatter ``relu(x + tile)`` as a copy of ``x`` plus
   ``index_select``/``add``/``relu``/``index_copy``; the adjoint as ``index_add`` into zeros).
+- batch norm over tile regions (``region_bn_nhwc``: forward + backward of ``detector.nn.norm.region_batch_norm`` on
+  the gathered blocks of that map, 24 channels, the 8-px tiles with 1-px halos of make train's stem and stage 1):
+  the kernels ``region_sums`` / ``region_norm_grad`` against the composition of torch ops it ran before them
+  (region rows copied, two-pass moments, the gradient's sums and corrections as separate passes).
 Prints a table (median milliseconds and naive/kernel ratio) and writes it as JSON and markdown.
 Timings on a shared machine are noisy: compare ratios within one run.
 """
@@ -141,6 +145,57 @@ def bench_nhwc(x: torch.Tensor, bp: BlockParams, frac: float, reps: int, gen: to
     return [Row(op, frac, K, *median_ms_pair(kernel, naive, reps)) for op, (kernel, naive) in pairs.items()]
 
 
+def composed_region_bn(z: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, off: int,
+                       size: int) -> torch.Tensor:
+    """Region batch norm's forward and input gradient as the torch ops composed them before the kernels (all the
+    region's pixels in the map): returns dz."""
+    C, eps, n = z.shape[1], 1e-5, z.shape[0] * size * size
+    sl = (slice(None), slice(None), slice(off, off + size), slice(off, off + size))
+    rows = z[sl].permute(0, 2, 3, 1).reshape(-1, C)
+    mean = rows.sum(0) / n
+    d = rows - mean
+    inv = torch.rsqrt((d * d).sum(0) / n + eps)
+    scale = weight * inv
+    torch.addcmul((bias - mean * scale).view(1, C, 1, 1), z, scale.view(1, C, 1, 1))  # y
+    g_rows, z_rows = g.permute(0, 2, 3, 1).reshape(-1, C), z.permute(0, 2, 3, 1).reshape(-1, C)
+    sum_g = g_rows.sum(0)
+    sum_gx = (g_rows * z_rows).sum(0) - mean * sum_g
+    dz = g * scale.view(1, C, 1, 1)
+    c1 = -scale * inv * inv * sum_gx / n
+    c0 = -scale * sum_g / n - mean * c1
+    dz[sl].addcmul_(z[sl], c1.view(1, C, 1, 1)).add_(c0.view(1, C, 1, 1))
+    return dz
+
+
+def bench_region_bn(x: torch.Tensor, frac: float, reps: int, gen: torch.Generator) -> Row:
+    """Region batch norm (forward + backward) on the blocks of 8-px tiles with 1-px halos gathered from ``x``'s
+    first 24 channels (channels-last), against its former torch composition (values checked first)."""
+    from torch import nn
+
+    from detector.nn.geometry import Level, LevelMasks
+    from detector.nn.norm import region_batch_norm
+
+    x = x[:, :24].contiguous(memory_format=torch.channels_last)
+    N, C, H, W = x.shape
+    bp = calc_block_params(H, W, bsize=(10, 10), ksize=3, stride=1, padding=1)
+    idx = (torch.rand((N, bp.bcount_h, bp.bcount_w), generator=gen) < frac).nonzero().to(torch.int32)
+    z = sparse_gather(x, idx, bp)
+    K = z.shape[0]
+    g = torch.randn(z.shape, generator=gen).contiguous(memory_format=torch.channels_last)
+    bn = nn.BatchNorm2d(C)
+    level = Level(extent=(10, 10), offset=(1, 1), region=(8, 8), map_size=(H, W))
+    masks = LevelMasks(outside=None, region=None, count=K * 64)
+    zk = z.detach().requires_grad_()
+
+    def kernel() -> torch.Tensor:
+        y, _ = region_batch_norm(bn, zk, level, masks)
+        return torch.autograd.grad(y, zk, g)[0]
+
+    w, b = bn.weight.detach(), bn.bias.detach()
+    torch.testing.assert_close(kernel(), composed_region_bn(z, g, w, b, 1, 8), rtol=1e-4, atol=1e-5)
+    return Row("region_bn_nhwc", frac, K, *median_ms_pair(kernel, lambda: composed_region_bn(z, g, w, b, 1, 8), reps))
+
+
 def median_ms_pair(kernel, naive, reps: int) -> tuple[float, float]:
     """Median milliseconds of two callables, measured alternately so machine load hits both alike."""
     kernel(), naive()  # warm-up
@@ -193,10 +248,12 @@ def main(argv=None) -> None:
     fracs = (0.05, 0.2, 0.5, 1.0)
     rows = [row for frac in fracs for row in bench_fraction(x, bp, frac, args.reps, gen)]
     rows += [row for frac in fracs for row in bench_nhwc(x, bp, frac, args.reps, gen)]
+    rows += [bench_region_bn(x, frac, args.reps, gen) for frac in fracs]
 
     cpu = cpu_model()
     env = allocator_env()
-    title = (f"sbnet CPU kernels vs naive torch (NCHW rows) and vs the torch index ops they replace (NHWC rows), "
+    title = (f"sbnet CPU kernels vs naive torch (NCHW rows) and vs the torch ops they replace (NHWC rows; region_bn: "
+             f"forward + backward of batch norm over 8-px tiles' regions, 24 channels), "
              f"x = [{N}, {C}, {H}, {W}] float32, bsize 16, ksize 3, {torch.get_num_threads()} threads, "
              f"median of {args.reps}; {cpu}; allocator {env}")
     print(f"\n{title}")

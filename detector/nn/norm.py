@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops import region_norm_grad, region_sums
 from .geometry import Level, LevelMasks
 
 __all__ = [
@@ -90,6 +91,15 @@ def _region_rows(z: torch.Tensor, level: Level, masks: LevelMasks) -> torch.Tens
     return rows if masks.region is None else rows.index_select(0, masks.region)
 
 
+def _first_region_pixel(z: torch.Tensor, level: Level, masks: LevelMasks) -> torch.Tensor:
+    """The channel values ``[C]`` of the first counted tile-region pixel of ``z [K, C, e_h, e_w]``."""
+    (ph, pw), (rh, rw) = level.offset, level.region
+    if masks.region is None:
+        return z[0, :, ph, pw]
+    p = masks.region[:1]  # a tensor: no host sync on a GPU
+    return z[p // (rh * rw), :, ph + p // rw % rh, pw + p % rw][0]
+
+
 class _RegionBatchNorm(torch.autograd.Function):
     """``y = (z - mean) * rsqrt(var + eps) * weight + bias`` on all of ``z [K, C, e_h, e_w]`` (halo included),
     ``mean`` and ``var`` (biased) taken over the tile regions' in-map pixels only; returns ``(y, mean, var)``
@@ -99,15 +109,22 @@ class _RegionBatchNorm(torch.autograd.Function):
     ``sum_g`` and ``sum_gx = sum g * (z - mean)`` over all of ``z``'s pixels (y depends on every pixel, the
     moments on the region's only), ``dz = g * a`` everywhere plus ``-a / n * (sum_g + (z - mean) * inv^2 *
     sum_gx)`` on the region's pixels; ``dweight = sum_gx * inv``, ``dbias = sum_g`` - nn.BatchNorm2d's
-    backward when the region is the whole map. About three passes over ``z`` forward and four backward, where
-    the recorded graph of region_moments + addcmul made about ten (and saved its intermediates).
+    backward when the region is the whole map. The moments are shifted sums (``c``: a region pixel's values,
+    near the mean, so that ``E[(z - c)^2] - E[z - c]^2`` keeps the variance's precision) and the gradient's sums
+    and ``dz`` one pass each (:func:`detector.ops.region_sums`, :func:`detector.ops.region_norm_grad`: CPU
+    kernels): two passes over ``z`` forward (the sums, then ``y``) and two backward.
     """
 
     @staticmethod
     def forward(ctx, z, weight, bias, level: Level, masks: LevelMasks, eps: float):
         C = z.shape[1]
-        m = region_moments(z, level, masks)  # no graph is recorded inside forward
-        mean, var = m.mean, m.var
+        n = float(masks.count)
+        # one pass of shifted sums: E[z - c], E[(z - c)^2] with c a region pixel's values (near the mean, so the
+        # variance E[(z - c)^2] - E[z - c]^2 keeps its precision, where c = 0 would lose it to a large mean)
+        c = _first_region_pixel(z, level, masks)
+        d = region_sums(z, None, level.offset, level.region, masks.region, center=c) / n
+        mean = (c.double() + d[0]).to(z.dtype)
+        var = (d[1] - d[0] * d[0]).clamp_min(0).to(z.dtype)
         inv = torch.rsqrt(var + eps)
         scale = inv if weight is None else weight * inv
         shift = -mean * scale if bias is None else bias - mean * scale
@@ -125,23 +142,15 @@ class _RegionBatchNorm(torch.autograd.Function):
             return None, None, None, None, None, None
         z, weight, mean, inv = ctx.saved_tensors
         level, masks = ctx.level, ctx.masks
-        (ph, pw), (rh, rw) = level.offset, level.region
-        K, C = z.shape[:2]
         n = float(masks.count)
-        g_rows = g.permute(0, 2, 3, 1).reshape(-1, C)
-        sum_g = _channel_sums(g_rows)
-        sum_gx = _channel_sums(g_rows * z.permute(0, 2, 3, 1).reshape(-1, C)) - mean * sum_g  # sum g * (z - mean)
+        sums = region_sums(g, z, (0, 0), tuple(z.shape[2:]))  # over all of z's pixels, in float64
+        sum_g = sums[0]
+        sum_gx = sums[1] - mean.double() * sum_g  # sum g * (z - mean)
         a = inv if weight is None else weight * inv
-        dz = g * a.view(1, C, 1, 1)
-        c1 = -a * inv * inv * sum_gx / n
-        c0 = -a * sum_g / n - mean * c1  # region correction: c0 + z * c1
-        z_reg, dz_reg = z[:, :, ph : ph + rh, pw : pw + rw], dz[:, :, ph : ph + rh, pw : pw + rw]
-        if masks.region is None:  # in place, no region-sized temporary
-            dz_reg.addcmul_(z_reg, c1.view(1, C, 1, 1)).add_(c0.view(1, C, 1, 1))
-        else:  # only the in-map region pixels carry the moments' gradient
-            corr = torch.addcmul(c0, _region_rows(z, level, masks), c1)
-            full = corr.new_zeros(K * rh * rw, C).index_copy_(0, masks.region, corr)
-            dz_reg.add_(full.view(K, rh, rw, C).permute(0, 3, 1, 2))
+        c1 = -a * inv * inv * sum_gx.to(z.dtype) / n
+        c0 = -a * sum_g.to(z.dtype) / n - mean * c1  # region correction: z * c1 + c0
+        dz = region_norm_grad(g, z, a, c0, c1, level.offset, level.region, masks.region)
+        sum_g, sum_gx = sum_g.to(z.dtype), sum_gx.to(z.dtype)
         dweight = None if weight is None or not ctx.needs_input_grad[1] else sum_gx * inv
         dbias = sum_g if ctx.needs_input_grad[2] else None
         return dz, dweight, dbias, None, None, None

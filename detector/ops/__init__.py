@@ -7,6 +7,8 @@
     y = sparse_scatter(out_blocks, idx, base, bp, add=True)   # like base (differentiable); relu=True: relu(base + tile)
     sparse_scatter_(out_blocks, idx, base, bp, add=True)      # in place into base (differentiable too)
     ResidualBlocks(x, idx, bp, inplace)                       # an identity unit's fused gather + residual scatter
+    s = region_sums(z, None, offset, size, pixels)            # float64 [2, C]: sums of z, z^2 over blocks' tile regions
+    dz = region_norm_grad(g, z, scale, c0, c1, offset, size)  # batch-norm's input gradient over tile regions
 
 Semantics in :mod:`detector.ops.functional` and ``kernels/README.md``; compiled kernels are built on
 first use by :mod:`detector.ops._library`, with the pure-PyTorch :mod:`detector.ops.reference` as
@@ -14,7 +16,15 @@ fallback.
 """
 
 from .blocks import BlockParams, calc_block_params
-from .functional import block_activity, reduce_mask, sparse_gather, sparse_scatter, sparse_scatter_
+from .functional import (
+    block_activity,
+    reduce_mask,
+    region_norm_grad,
+    region_sums,
+    sparse_gather,
+    sparse_scatter,
+    sparse_scatter_,
+)
 from .residual import ResidualBlocks
 
 __all__ = [
@@ -26,4 +36,6 @@ __all__ = [
     "sparse_scatter",
     "sparse_scatter_",
     "ResidualBlocks",
+    "region_sums",
+    "region_norm_grad",
 ]

@@ -124,6 +124,14 @@ def _register_python_side() -> None:
         blocks = empty((indices.shape[0], grad_out.shape[1], tile[0], tile[1]), grad_out, f)
         return blocks, torch.empty_like(grad_out, memory_format=f)
 
+    @torch.library.register_fake("sbnet::region_sums")
+    def _(a, b, center, offset, size, pixels):
+        return a.new_empty((2, a.shape[1]), dtype=torch.float64)
+
+    @torch.library.register_fake("sbnet::region_norm_grad")
+    def _(g, z, scale, c0, c1, offset, size, pixels):
+        return empty(z.shape, z, memory_format_of(z) or torch.contiguous_format)
+
     # gather: its gradient is a scatter-add (overlapping halos add up) into zeros like x, in x's layout.
     def gather_setup(ctx, inputs, output):
         x, indices, bsize, bstride, boffset = inputs

@@ -333,3 +333,72 @@ def sparse_scatter_(
         torch.ops.sbnet.sparse_scatter_(*args)
         return base
     return reference.sparse_scatter_(blocks, indices, base, bp, bool(add), bool(relu))
+
+
+def _check_region(op: str, t: torch.Tensor, offset: tuple[int, int], size: tuple[int, int],
+                  pixels: torch.Tensor | None) -> tuple[list[int], list[int]]:
+    _check_tensor(op, "blocks", t, 4)
+    _check_float(op, "blocks", t)
+    (oh, ow), (rh, rw) = (int(v) for v in offset), (int(v) for v in size)
+    eh, ew = t.shape[2:]
+    if min(oh, ow, rh, rw) < 0 or oh + rh > eh or ow + rw > ew:
+        raise ValueError(f"{op}: region at {(oh, ow)} of size {(rh, rw)} does not fit blocks of {eh} x {ew}")
+    if pixels is not None and (pixels.dim() != 1 or pixels.dtype != torch.int64 or pixels.device != t.device):
+        raise ValueError(f"{op}: pixels must be an int64 vector on {t.device}")
+    return [oh, ow], [rh, rw]
+
+
+def _region_kernels(t: torch.Tensor) -> bool:
+    """The region ops have a CPU kernel only; elsewhere the reference's torch composition is their implementation
+    (batched reductions, already the device's fast path), so no warning is due there."""
+    return t.device.type == "cpu" and _kernels_for(t.device)
+
+
+def region_sums(a: torch.Tensor, b: torch.Tensor | None, offset: tuple[int, int], size: tuple[int, int],
+                pixels: torch.Tensor | None = None, center: torch.Tensor | None = None) -> torch.Tensor:
+    """Float64 ``[2, C]``: with ``u = a - center`` (``a`` when ``center`` is None), the per-channel sums of ``u``
+    and of ``u * b`` (``u * u`` when ``b`` is None) over the tile regions of blocks ``[K, C, e_h, e_w]`` - rows
+    ``offset_h .. offset_h + size_h`` and columns ``offset_w .. offset_w + size_w`` of each block; ``pixels``
+    (int64) lists the region pixels that count, as indices into the ``[K * size_h * size_w]`` region pixels in
+    (block, row, column) order (all when None). Batch-norm statistics over the tile regions
+    (:mod:`detector.nn.norm`: the mean, then the centred sum of squares with the mean as ``center``); not
+    differentiable.
+
+        for k, i, j in region pixels (counted ones):
+            u = a[k, :, offset_h + i, offset_w + j] - center
+            out[0] += u
+            out[1] += u * (b[k, :, offset_h + i, offset_w + j] if b is not None else u)
+
+    The CPU kernel sums each region row in float (the dtype's opmath type) and the rows in float64, in a fixed
+    order (independent of the thread count); elsewhere the sums are float64 reductions.
+    """
+    op = "region_sums"
+    offset, size = _check_region(op, a, offset, size, pixels)
+    a = _native(a)
+    if b is not None:
+        if b.shape != a.shape or b.dtype != a.dtype or b.device != a.device:
+            raise ValueError(f"{op}: b must match a in shape, dtype and device, got {tuple(b.shape)} {b.dtype}")
+        b = b.contiguous(memory_format=memory_format_of(a))
+    if center is not None and (center.shape != (a.shape[1],) or center.device != a.device):
+        raise ValueError(f"{op}: center must be a [{a.shape[1]}] vector on {a.device}, got {tuple(center.shape)}")
+    if _region_kernels(a):
+        return torch.ops.sbnet.region_sums(a, b, center, offset, size, pixels)
+    return reference.region_sums(a, b, center, offset, size, pixels)
+
+
+def region_norm_grad(g: torch.Tensor, z: torch.Tensor, scale: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor,
+                     offset: tuple[int, int], size: tuple[int, int], pixels: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """The input gradient of batch-norm over tile regions: ``dz = g * scale`` at every pixel of the blocks
+    ``z [K, C, e_h, e_w]``, plus ``z * c1 + c0`` at the counted region pixels (:func:`region_sums`' region and
+    ``pixels``); ``scale``, ``c0``, ``c1``: ``[C]``. One pass on the CPU; ``dz`` in ``z``'s layout."""
+    op = "region_norm_grad"
+    offset, size = _check_region(op, z, offset, size, pixels)
+    z = _native(z)
+    if g.shape != z.shape or g.dtype != z.dtype or g.device != z.device:
+        raise ValueError(f"{op}: g must match z in shape, dtype and device, got {tuple(g.shape)} {g.dtype}")
+    g = g.contiguous(memory_format=memory_format_of(z))
+    scale, c0, c1 = (v.to(z.dtype).contiguous() for v in (scale, c0, c1))
+    if _region_kernels(z):
+        return torch.ops.sbnet.region_norm_grad(g, z, scale, c0, c1, offset, size, pixels)
+    return reference.region_norm_grad(g, z, scale, c0, c1, offset, size, pixels)

@@ -19,7 +19,8 @@ import torch
 
 from .blocks import BlockParams
 
-__all__ = ["reduce_mask", "block_activity", "sparse_gather", "sparse_scatter", "sparse_scatter_"]
+__all__ = ["reduce_mask", "block_activity", "sparse_gather", "sparse_scatter", "sparse_scatter_", "region_sums",
+           "region_norm_grad"]
 
 
 def _clip(start: int, length: int, limit: int) -> tuple[int, int]:
@@ -129,3 +130,43 @@ def sparse_scatter_(
     """:func:`sparse_scatter` writing into ``base`` itself; returns ``base``."""
     _write_tiles(blocks, indices, base, bp, add, relu)
     return base
+
+
+def _region_rows(t: torch.Tensor, offset: tuple[int, int], size: tuple[int, int],
+                 pixels: torch.Tensor | None) -> torch.Tensor:
+    """The counted region pixels of blocks ``t [K, C, e_h, e_w]`` as ``[pixels, C]`` rows, in (block, row,
+    column) order."""
+    (oh, ow), (rh, rw) = offset, size
+    rows = t[:, :, oh : oh + rh, ow : ow + rw].permute(0, 2, 3, 1).reshape(-1, t.shape[1])
+    return rows if pixels is None else rows.index_select(0, pixels)
+
+
+def region_sums(a: torch.Tensor, b: torch.Tensor | None, center: torch.Tensor | None, offset: tuple[int, int],
+                size: tuple[int, int], pixels: torch.Tensor | None) -> torch.Tensor:
+    """Float64 ``[2, C]``: with ``u = a - center`` (``a`` without ``center``), the sums of ``u`` and of ``u * b``
+    (``u * u`` without ``b``) over the counted region pixels of blocks ``[K, C, e_h, e_w]``.
+
+        for k, i, j in region pixels (counted ones):       # block rows offset_h + i, columns offset_w + j
+            u = a[k, :, offset_h + i, offset_w + j] - center
+            out[0] += u
+            out[1] += u * (b[k, :, offset_h + i, offset_w + j] if b is not None else u)
+    """
+    u = _region_rows(a, offset, size, pixels).double()
+    if center is not None:
+        u = u - center.double()
+    v = u if b is None else _region_rows(b, offset, size, pixels).double()
+    return torch.stack([u.sum(0), (u * v).sum(0)])
+
+
+def region_norm_grad(g: torch.Tensor, z: torch.Tensor, scale: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor,
+                     offset: tuple[int, int], size: tuple[int, int], pixels: torch.Tensor | None) -> torch.Tensor:
+    """``dz = g * scale`` at every pixel of the blocks, plus ``z * c1 + c0`` at the counted region pixels
+    (per channel), in ``g``'s layout."""
+    K, C = z.shape[:2]
+    (oh, ow), (rh, rw) = offset, size
+    dz = g * scale.view(1, C, 1, 1)
+    corr = torch.addcmul(c0, _region_rows(z, offset, size, pixels), c1)
+    if pixels is not None:  # uncounted region pixels get no correction
+        corr = corr.new_zeros(K * rh * rw, C).index_copy_(0, pixels, corr)
+    dz[:, :, oh : oh + rh, ow : ow + rw] += corr.view(K, rh, rw, C).permute(0, 3, 1, 2)
+    return dz
