@@ -49,7 +49,8 @@ inline void define_schemas(torch::Library& m) {
   // [K * size_h * size_w] region pixels that count (all when absent). Float64 [2, C]: with u = a - center
   // (a without center), the sums over the counted pixels of u and of u * b (u * u without b).
   m.def("region_sums(Tensor a, Tensor? b, Tensor? center, int[2] offset, int[2] size, Tensor? pixels) -> Tensor");
-  // dz = g * scale everywhere, plus z * c1 + c0 at the counted region pixels (per channel); dz in g's layout.
+  // dz = g * scale everywhere, plus z * c1 + c0 at the counted region pixels (per channel; the [C] coefficients
+  // of any floating dtype, applied in z's opmath type); dz in g's layout and z's dtype.
   m.def("region_norm_grad(Tensor g, Tensor z, Tensor scale, Tensor c0, Tensor c1, int[2] offset, int[2] size, "
         "Tensor? pixels) -> Tensor");
 }

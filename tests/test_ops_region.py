@@ -115,20 +115,22 @@ def test_region_norm_grad_follows_the_rule(impl, pixels, channels_last):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_low_precision_inputs(dtype):
     """The kernel's sums of low-precision blocks are their float64 sums to float rounding of a region row's
-    partial sums; the gradient is the float64 rule's value rounded once to the dtype."""
+    partial sums; the gradient (kernel and composition) is the float64 rule's value rounded once to the dtype."""
     a, b = _blocks(4, dtype, True), _blocks(5, dtype, True)
     idx = torch.tensor(PARTIAL)
     for args in ((a, None), (a, b)):
         k = region_sums(*args, OFFSET, SIZE, idx)
         r = reference.region_sums(*args, None, list(OFFSET), list(SIZE), idx)
         torch.testing.assert_close(k, r, rtol=1e-6, atol=1e-5)
-    v = [torch.tensor(x, dtype=dtype) for x in ([0.5, -1.0, 2.0], [0.1, 0.2, -0.3], [1.5, -0.25, 0.75])]
+    # float32 coefficients (0.1 is not a bfloat16): applied unrounded, the result rounded once to the dtype
+    v = [torch.tensor(x) for x in ([0.5, -1.0, 2.0], [0.1, 0.2, -0.3], [1.5, -0.25, 0.75])]
     want = reference.region_norm_grad(a.double(), b.double(), *(x.double() for x in v), list(OFFSET), list(SIZE),
                                       idx)
-    got = region_norm_grad(a, b, *v, OFFSET, SIZE, idx)
-    assert got.dtype == dtype
     eps = torch.finfo(dtype).eps
-    torch.testing.assert_close(got.double(), want, rtol=eps, atol=eps * 8)
+    for got in (region_norm_grad(a, b, *v, OFFSET, SIZE, idx),
+                reference.region_norm_grad(a, b, *v, list(OFFSET), list(SIZE), idx)):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), want, rtol=eps, atol=eps * 8)
 
 
 def test_sums_do_not_depend_on_the_thread_count():

@@ -391,14 +391,19 @@ def region_norm_grad(g: torch.Tensor, z: torch.Tensor, scale: torch.Tensor, c0: 
                      ) -> torch.Tensor:
     """The input gradient of batch-norm over tile regions: ``dz = g * scale`` at every pixel of the blocks
     ``z [K, C, e_h, e_w]``, plus ``z * c1 + c0`` at the counted region pixels (:func:`region_sums`' region and
-    ``pixels``); ``scale``, ``c0``, ``c1``: ``[C]``. One pass on the CPU; ``dz`` in ``z``'s layout."""
+    ``pixels``); ``scale``, ``c0``, ``c1``: ``[C]`` of any floating dtype (float32 ones keep their precision for
+    half-precision blocks: the arithmetic is in the blocks' opmath type). One pass on the CPU; ``dz`` in ``z``'s
+    layout and dtype."""
     op = "region_norm_grad"
     offset, size = _check_region(op, z, offset, size, pixels)
     z = _native(z)
     if g.shape != z.shape or g.dtype != z.dtype or g.device != z.device:
         raise ValueError(f"{op}: g must match z in shape, dtype and device, got {tuple(g.shape)} {g.dtype}")
     g = g.contiguous(memory_format=memory_format_of(z))
-    scale, c0, c1 = (v.to(z.dtype).contiguous() for v in (scale, c0, c1))
+    for name, v in (("scale", scale), ("c0", c0), ("c1", c1)):
+        if v.shape != (z.shape[1],) or not v.dtype.is_floating_point or v.device != z.device:
+            raise ValueError(f"{op}: {name} must be a floating-point [{z.shape[1]}] vector on {z.device}, "
+                             f"got {tuple(v.shape)} {v.dtype}")
     if _region_kernels(z):
         return torch.ops.sbnet.region_norm_grad(g, z, scale, c0, c1, offset, size, pixels)
     return reference.region_norm_grad(g, z, scale, c0, c1, offset, size, pixels)

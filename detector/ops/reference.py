@@ -164,9 +164,10 @@ def region_norm_grad(g: torch.Tensor, z: torch.Tensor, scale: torch.Tensor, c0: 
     (per channel), in ``g``'s layout."""
     K, C = z.shape[:2]
     (oh, ow), (rh, rw) = offset, size
-    dz = g * scale.view(1, C, 1, 1)
-    corr = torch.addcmul(c0, _region_rows(z, offset, size, pixels), c1)
+    dt = torch.promote_types(torch.float32, z.dtype)  # the opmath type
+    dz = g.to(dt) * scale.to(dt).view(1, C, 1, 1)
+    corr = torch.addcmul(c0.to(dt), _region_rows(z, offset, size, pixels).to(dt), c1.to(dt))
     if pixels is not None:  # uncounted region pixels get no correction
         corr = corr.new_zeros(K * rh * rw, C).index_copy_(0, pixels, corr)
     dz[:, :, oh : oh + rh, ow : ow + rw] += corr.view(K, rh, rw, C).permute(0, 3, 1, 2)
-    return dz
+    return dz.to(z.dtype)

@@ -165,8 +165,8 @@ at::Tensor region_norm_grad_cpu(const at::Tensor& g, const at::Tensor& z, const 
               ": g must match z in shape, dtype and device");
   check_layout(op, "g", g, r.nhwc);
   for (const at::Tensor* t : {&scale, &c0, &c1}) {
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == r.C && t->scalar_type() == z.scalar_type() && t->device().is_cpu(),
-                op, ": scale, c0 and c1 must be [C] vectors of z's dtype");
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == r.C && at::isFloatingType(t->scalar_type()) && t->device().is_cpu(),
+                op, ": scale, c0 and c1 must be floating-point [C] CPU vectors");
   }
   at::Tensor dz = at::empty(z.sizes(), z.options().memory_format(format_of(r.nhwc)));
   const int64_t C = r.C, cs = r.cstride();
@@ -175,12 +175,14 @@ at::Tensor region_norm_grad_cpu(const at::Tensor& g, const at::Tensor& z, const 
     const scalar_t* pg = g.const_data_ptr<scalar_t>();
     const scalar_t* pz = z.const_data_ptr<scalar_t>();
     scalar_t* pd = dz.mutable_data_ptr<scalar_t>();
-    const at::Tensor s = scale.contiguous(), v0 = c0.contiguous(), v1 = c1.contiguous();
+    // the coefficients in the opmath type whatever their dtype (float ones for half-precision blocks)
+    const at::Tensor s = scale.to(at::kDouble).contiguous(), v0 = c0.to(at::kDouble).contiguous(),
+                     v1 = c1.to(at::kDouble).contiguous();
     std::vector<acc_t> sc(C), a0(C), a1(C);
     for (int64_t c = 0; c < C; ++c) {
-      sc[c] = s.const_data_ptr<scalar_t>()[c];
-      a0[c] = v0.const_data_ptr<scalar_t>()[c];
-      a1[c] = v1.const_data_ptr<scalar_t>()[c];
+      sc[c] = static_cast<acc_t>(s.const_data_ptr<double>()[c]);
+      a0[c] = static_cast<acc_t>(v0.const_data_ptr<double>()[c]);
+      a1[c] = static_cast<acc_t>(v1.const_data_ptr<double>()[c]);
     }
     // one task per block row (k, y): dz = g * scale, plus c0 + z * c1 at the row's counted region pixels
     const int64_t rows = r.K * r.eh;
