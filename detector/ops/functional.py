@@ -361,8 +361,8 @@ def region_sums(a: torch.Tensor, b: torch.Tensor | None, offset: tuple[int, int]
     ``offset_h .. offset_h + size_h`` and columns ``offset_w .. offset_w + size_w`` of each block; ``pixels``
     (int64) lists the region pixels that count, as indices into the ``[K * size_h * size_w]`` region pixels in
     (block, row, column) order (all when None). Batch-norm statistics over the tile regions
-    (:mod:`detector.nn.norm`: the mean, then the centred sum of squares with the mean as ``center``); not
-    differentiable.
+    (:mod:`detector.nn.norm`: shifted sums, ``center`` a region pixel's values, so that the variance
+    ``E[u^2] - E[u]^2`` keeps its precision); not differentiable.
 
         for k, i, j in region pixels (counted ones):
             u = a[k, :, offset_h + i, offset_w + j] - center
