@@ -4,7 +4,8 @@ The rule (detector/ops/functional.py): blocks ``[K, C, e_h, e_w]``; the tile reg
 ``offset_h .. offset_h + size_h`` and columns ``offset_w .. offset_w + size_w``; ``pixels`` lists the region
 pixels that count as indices into the ``[K * size_h * size_w]`` region pixels in (block, row, column) order.
 ``region_sums`` -> float64 ``[2, C]``: with ``u = a - center`` (``a`` without a center), the sums of ``u`` and
-of ``u * b`` (``u * u`` without ``b``) over the counted pixels; ``region_norm_grad`` -> ``g * scale`` everywhere plus ``z * c1 + c0`` at the counted pixels.
+of ``u * b`` (``u * u`` without ``b``) over the counted pixels; ``region_norm_grad`` -> ``g * scale`` everywhere
+plus ``z * c1 + c0`` at the counted pixels.
 Expectations come from explicit loops over (block, row, column) written from that rule, on the CPU kernel and
 on the torch composition the other devices (and a machine without kernels) run.
 """

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import region_norm_grad, region_sums
+from ..ops.reference import region_rows
 from .geometry import Level, LevelMasks
 
 __all__ = [
@@ -84,11 +85,8 @@ def _channel_sums(rows: torch.Tensor) -> torch.Tensor:
 
 
 def _region_rows(z: torch.Tensor, level: Level, masks: LevelMasks) -> torch.Tensor:
-    """The tile regions' in-map pixels of ``z [K, C, e_h, e_w]`` as ``[pixels, C]`` rows (a copy unless the
-    region is the whole block of a channels-last ``z``)."""
-    (ph, pw), (rh, rw) = level.offset, level.region
-    rows = z[:, :, ph : ph + rh, pw : pw + rw].permute(0, 2, 3, 1).reshape(-1, z.shape[1])
-    return rows if masks.region is None else rows.index_select(0, masks.region)
+    """The tile regions' in-map pixels of ``z [K, C, e_h, e_w]`` as ``[pixels, C]`` rows."""
+    return region_rows(z, level.offset, level.region, masks.region)
 
 
 def _first_region_pixel(z: torch.Tensor, level: Level, masks: LevelMasks) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 from .blocks import BlockParams
 
 __all__ = ["reduce_mask", "block_activity", "sparse_gather", "sparse_scatter", "sparse_scatter_", "region_sums",
-           "region_norm_grad"]
+           "region_norm_grad", "region_rows"]
 
 
 def _clip(start: int, length: int, limit: int) -> tuple[int, int]:
@@ -132,10 +132,11 @@ def sparse_scatter_(
     return base
 
 
-def _region_rows(t: torch.Tensor, offset: tuple[int, int], size: tuple[int, int],
-                 pixels: torch.Tensor | None) -> torch.Tensor:
+def region_rows(t: torch.Tensor, offset: tuple[int, int], size: tuple[int, int],
+                pixels: torch.Tensor | None) -> torch.Tensor:
     """The counted region pixels of blocks ``t [K, C, e_h, e_w]`` as ``[pixels, C]`` rows, in (block, row,
-    column) order."""
+    column) order (a view, not a copy, when ``pixels`` is None and the region is the whole block of a
+    channels-last ``t``; differentiable)."""
     (oh, ow), (rh, rw) = offset, size
     rows = t[:, :, oh : oh + rh, ow : ow + rw].permute(0, 2, 3, 1).reshape(-1, t.shape[1])
     return rows if pixels is None else rows.index_select(0, pixels)
@@ -151,10 +152,10 @@ def region_sums(a: torch.Tensor, b: torch.Tensor | None, center: torch.Tensor | 
             out[0] += u
             out[1] += u * (b[k, :, offset_h + i, offset_w + j] if b is not None else u)
     """
-    u = _region_rows(a, offset, size, pixels).double()
+    u = region_rows(a, offset, size, pixels).double()
     if center is not None:
         u = u - center.double()
-    v = u if b is None else _region_rows(b, offset, size, pixels).double()
+    v = u if b is None else region_rows(b, offset, size, pixels).double()
     return torch.stack([u.sum(0), (u * v).sum(0)])
 
 
@@ -166,7 +167,7 @@ def region_norm_grad(g: torch.Tensor, z: torch.Tensor, scale: torch.Tensor, c0: 
     (oh, ow), (rh, rw) = offset, size
     dt = torch.promote_types(torch.float32, z.dtype)  # the opmath type
     dz = g.to(dt) * scale.to(dt).view(1, C, 1, 1)
-    corr = torch.addcmul(c0.to(dt), _region_rows(z, offset, size, pixels).to(dt), c1.to(dt))
+    corr = torch.addcmul(c0.to(dt), region_rows(z, offset, size, pixels).to(dt), c1.to(dt))
     if pixels is not None:  # uncounted region pixels get no correction
         corr = corr.new_zeros(K * rh * rw, C).index_copy_(0, pixels, corr)
     dz[:, :, oh : oh + rh, ow : ow + rw] += corr.view(K, rh, rw, C).permute(0, 3, 1, 2)
