@@ -63,7 +63,7 @@ def region_moments(z: torch.Tensor, level: Level, masks: LevelMasks) -> Moments:
     channels-last ``z`` whose region is the whole block; much faster on CPU than ``torch.var_mean``
     over dims (0, 2, 3) of a channels-last tensor.
     """
-    rows = _region_rows(z, level, masks)  # some tile regions stick out of the map: the in-map pixels only
+    rows = region_rows(z, level.offset, level.region, masks.region)  # tile regions past the map: in-map pixels
     n = float(masks.count)
     mean = _channel_sums(rows) / n
     d = rows - mean
@@ -82,11 +82,6 @@ def _channel_sums(rows: torch.Tensor) -> torch.Tensor:
     k = 1024 // C
     q = P // k * k
     return rows[:q].reshape(-1, k * C).sum(0).view(k, C).sum(0) + rows[q:].sum(0)
-
-
-def _region_rows(z: torch.Tensor, level: Level, masks: LevelMasks) -> torch.Tensor:
-    """The tile regions' in-map pixels of ``z [K, C, e_h, e_w]`` as ``[pixels, C]`` rows."""
-    return region_rows(z, level.offset, level.region, masks.region)
 
 
 def _first_region_pixel(z: torch.Tensor, level: Level, masks: LevelMasks) -> torch.Tensor:
