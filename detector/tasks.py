@@ -54,6 +54,8 @@ def build_model(model_cfg: DictConfig, mask_cfg: DictConfig, grid: BevGrid) -> B
         out_stride=model_cfg.out_stride, mask_net=mask_net,
         train_mask_source=mask_cfg.get("train_source", "union"),
         mask_warmup_steps=mask_cfg.get("warmup_steps", 0),
+        mask_train_threshold=mask_cfg.get("train_threshold"),
+        mask_train_threshold_steps=mask_cfg.get("train_threshold_steps", 0),
         mask_dilation_m=model_cfg.mask_dilation_m, use_data_mask=sparse,
         head_block_size=model_cfg.get("head_block_size", 16),
     )
@@ -123,6 +125,14 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError(f"optimizer.lr must be a positive number, got {lr!r}")
     if not cfg.model.classes:
         raise ConfigError("model.classes must name at least one class")
+    mask = cfg.get("mask") or {}
+    for key in ("warmup_steps", "train_threshold_steps"):
+        v = mask.get(key, 0)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ConfigError(f"mask.{key} must be an integer >= 0, got {v!r}")
+    t = mask.get("train_threshold")
+    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1):
+        raise ConfigError(f"mask.train_threshold must be null or a number in (0, 1), got {t!r}")
 
 
 # --------------------------------------------------------------------------------------------------

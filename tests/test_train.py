@@ -246,6 +246,46 @@ def test_readme_default_run_trains_the_mask_net_on_its_own_prediction(tmp_path, 
     assert ckpt["global_step"] == 2 and any(k.startswith("model.mask_net.") for k in ckpt["state_dict"])
 
 
+def test_mask_train_threshold_phase_then_the_inference_threshold(tmp_path, tiny_root):
+    """Rule (configs/mask/predicted.yaml): the first ``train_threshold_steps`` optimizer steps (global steps
+    0 .. train_threshold_steps - 1) threshold the mask net's probabilities at ``train_threshold``; later steps and
+    evaluation at ``net.threshold``. Built from the config the README's run uses, with the warm-up off."""
+    cfg = _cfg(tmp_path, tiny_root, "mask.warmup_steps=0", "mask.net.threshold=0.4", "mask.train_threshold=0.6",
+               "mask.train_threshold_steps=5", "mask.net.dilation=0")
+    grid = build_grid(cfg.bev)
+    batch = next(iter(build_datamodule(cfg.data, cfg.mask, grid, sparse=True).train_dataloader()))
+    torch.manual_seed(0)
+    model = build_model(cfg.model, cfg.mask, grid).train()
+    net, d = model.mask_net, cfg.mask.net.downsample
+    with torch.no_grad():  # spread the untrained net's probabilities over both thresholds
+        net.net[-1].bias.zero_()
+        logits = net(model.voxelize(batch))
+        net.net[-1].bias.fill_(-float(torch.quantile(logits.flatten(), 0.5)))
+        p = torch.sigmoid(net(model.voxelize(batch)))
+
+        def rule(t: float) -> torch.Tensor:  # cells over t, each covering d x d BEV cells
+            return (p > t).repeat_interleave(d, 2).repeat_interleave(d, 3).float()
+
+        tight, loose = rule(0.6), rule(0.4)
+        assert 0 < tight.sum() < loose.sum() < loose.numel()
+        assert torch.equal(model(batch, step=0).mask, tight)
+        assert torch.equal(model(batch, step=4).mask, tight)
+        assert torch.equal(model(batch, step=5).mask, loose)
+        assert torch.equal(model(batch).mask, loose)  # no step: past every phase
+        model.eval()  # evaluation (batch norm's running statistics: new probabilities): the inference threshold
+        net.net[-1].bias.zero_()
+        logits = net(model.voxelize(batch))
+        net.net[-1].weight.div_(float(logits.std()))  # logits of spread 1 around their median
+        net.net[-1].bias.fill_(-float(torch.quantile(logits.flatten(), 0.5) / logits.std()))
+        p = torch.sigmoid(net(model.voxelize(batch)))
+        assert 0 < rule(0.6).sum() < rule(0.4).sum() < p.numel() * d * d
+        assert torch.equal(model(batch, step=0).mask, rule(0.4))
+    for key, bad in (("train_threshold", 1.5), ("train_threshold", "0.3"), ("train_threshold_steps", -1)):
+        broken = OmegaConf.merge(cfg, {"mask": {key: bad}})
+        with pytest.raises(ConfigError, match=rf"^mask\.{key} must be"):
+            validate_config(broken)
+
+
 class StopAtStep(L.Callback):
     """Stops training after ``step`` optimizer steps (a clean interruption of a longer schedule)."""
 
@@ -262,9 +302,11 @@ def _final_weights(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 def test_resume_continues_exactly(tmp_path, tiny_root):
-    """4 steps straight == 2 steps, stop, resume from the step-2 checkpoint, 2 more steps; the mask's warm-up ends
-    after step 3, in the resumed part (the step it counts is restored with the checkpoint)."""
-    common = ["trainer.max_steps=4", "mask.warmup_steps=3", "trainer.max_epochs=-1",
+    """4 steps straight == 2 steps, stop, resume from the step-2 checkpoint, 2 more steps; the mask's warm-up and
+    its training-threshold phase end after step 3, in the resumed part (the step they count is restored with the
+    checkpoint)."""
+    common = ["trainer.max_steps=4", "mask.warmup_steps=3", "mask.train_threshold=0.6",
+              "mask.train_threshold_steps=3", "trainer.max_epochs=-1",
               "callbacks.model_checkpoint.monitor=null",
               "callbacks.model_checkpoint.every_n_train_steps=2", "callbacks.model_checkpoint.save_top_k=-1",
               "evaluate_after=false", "logger=none", "trainer.limit_val_batches=0", "data.batch_size=1"]

@@ -49,10 +49,11 @@ class MaskNet(nn.Module):
         x = F.max_pool2d(bev, self.downsample) if self.downsample > 1 else bev
         return self.net(x)
 
-    def computation_mask(self, logits: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-        """Threshold the probabilities, dilate by ``dilation`` low-resolution cells, and upsample (nearest)
-        to the input size: [B, 1, H, W] float 0/1."""
-        m = (torch.sigmoid(logits.detach()) > self.threshold).float()
+    def computation_mask(self, logits: torch.Tensor, size: tuple[int, int], threshold: float | None = None
+                         ) -> torch.Tensor:
+        """Threshold the probabilities (at ``threshold``, default :attr:`threshold`), dilate by ``dilation``
+        low-resolution cells, and upsample (nearest) to the input size: [B, 1, H, W] float 0/1."""
+        m = (torch.sigmoid(logits.detach()) > (self.threshold if threshold is None else threshold)).float()
         if self.dilation > 0:
             k = 2 * self.dilation + 1
             m = F.max_pool2d(m, k, stride=1, padding=self.dilation)
