@@ -56,7 +56,8 @@ def build_model(model_cfg: DictConfig, mask_cfg: DictConfig, grid: BevGrid) -> B
         mask_warmup_steps=mask_cfg.get("warmup_steps", 0),
         mask_train_threshold=mask_cfg.get("train_threshold"),
         mask_train_threshold_steps=mask_cfg.get("train_threshold_steps", 0),
-        mask_dilation_m=model_cfg.mask_dilation_m, use_data_mask=sparse,
+        mask_dilation_m=model_cfg.mask_dilation_m, mask_union_dilation_m=mask_cfg.get("union_dilation_m"),
+        use_data_mask=sparse,
         head_block_size=model_cfg.get("head_block_size", 16),
     )
 
@@ -130,6 +131,9 @@ def validate_config(cfg: DictConfig) -> None:
         v = mask.get(key, 0)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ConfigError(f"mask.{key} must be an integer >= 0, got {v!r}")
+    u = mask.get("union_dilation_m")
+    if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not u >= 0):
+        raise ConfigError(f"mask.union_dilation_m must be null or a number >= 0, got {u!r}")
     t = mask.get("train_threshold")
     if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1):
         raise ConfigError(f"mask.train_threshold must be null or a number in (0, 1), got {t!r}")

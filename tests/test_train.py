@@ -286,6 +286,37 @@ def test_mask_train_threshold_phase_then_the_inference_threshold(tmp_path, tiny_
             validate_config(broken)
 
 
+def test_mask_union_dilation_sets_the_ground_truth_part_of_the_union(tmp_path, tiny_root):
+    """Rule (configs/mask/predicted.yaml): with train_source=union the training mask is the prediction plus every cell
+    of the Car boxes enlarged by ``union_dilation_m`` metres (null: ``model.mask_dilation_m``, the mask net's target);
+    the mask net's target keeps ``model.mask_dilation_m``."""
+    from detector.geometry.box_masks import boxes_mask
+    from detector.models.mask_quality import class_boxes
+
+    base = ["mask.warmup_steps=0", "mask.train_source=union", "model.mask_dilation_m=1.0"]
+    cfg0 = _cfg(tmp_path, tiny_root, *base, "mask.union_dilation_m=0")
+    cfg_null = _cfg(tmp_path, tiny_root, *base)
+    grid = build_grid(cfg0.bev)
+    batch = next(iter(build_datamodule(cfg0.data, cfg0.mask, grid, sparse=True).train_dataloader()))
+    torch.manual_seed(0)
+    model0 = build_model(cfg0.model, cfg0.mask, grid).train()
+    model_null = build_model(cfg_null.model, cfg_null.mask, grid).train()
+    model_null.load_state_dict(model0.state_dict())
+    cars = class_boxes(batch.gt_boxes, batch.gt_names, ["Car"])
+    assert sum(len(b) for b in cars) > 0
+    with torch.no_grad():
+        pred = model0.mask_net.computation_mask(model0.mask_net(model0.voxelize(batch)), (grid.H, grid.W))
+        out0, out_null = model0(batch, step=0), model_null(batch, step=0)
+    assert torch.equal(out0.mask, torch.maximum(pred, boxes_mask(cars, grid, 0.0)))
+    assert torch.equal(out_null.mask, torch.maximum(pred, boxes_mask(cars, grid, 1.0)))
+    assert out0.mask.sum() < out_null.mask.sum()
+    d = cfg0.mask.net.downsample  # the mask net's target: model.mask_dilation_m either way
+    assert torch.equal(model0.object_mask(batch, d), boxes_mask(cars, grid, 1.0, downsample=d))
+    broken = OmegaConf.merge(cfg0, {"mask": {"union_dilation_m": -1}})
+    with pytest.raises(ConfigError, match=r"^mask\.union_dilation_m must be"):
+        validate_config(broken)
+
+
 class StopAtStep(L.Callback):
     """Stops training after ``step`` optimizer steps (a clean interruption of a longer schedule)."""
 
