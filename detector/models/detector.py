@@ -268,8 +268,8 @@ class BevDetector(nn.Module):
         (default ``mask_dilation_m``) - the mask net's target and, in training, the ground-truth part of the
         computation mask (enlarged by ``mask_union_dilation_m``). Other labeled objects (vans, pedestrians for a
         Car detector, and those GT sampling pastes) are not computed for: with the default augmentation they more
-        than double the objects per frame and the active tiles (make train's sample: 21 objects per frame, of them 8.5 Cars; 16-px tiles active at
-        strides 1/2/4 with 1 m: all classes 0.34/0.50/0.78, Cars 0.25/0.39/0.69)."""
+        than double the objects per frame and the active tiles (make train's sample: 21 objects per frame, of them
+        8.5 Cars; 16-px tiles active at strides 1/2/4 with 1 m: all classes 0.34/0.50/0.78, Cars 0.25/0.39/0.69)."""
         boxes = class_boxes(batch.gt_boxes, batch.gt_names, self.coder.classes)
         return boxes_mask(boxes, self.grid, self.mask_dilation_m if dilation_m is None else dilation_m,
                           downsample=downsample)
