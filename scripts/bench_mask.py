@@ -38,7 +38,6 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from detector.cli import parse_args
-from detector.geometry.box_masks import boxes_mask
 from detector.machine import allocator_env, cpu_model
 from detector.models.detector import masks_at_strides
 from detector.models.losses import mask_loss
@@ -94,9 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         for b in loader:
             with torch.no_grad():
                 bev = model.voxelize(b)
-            cars = class_boxes(b.gt_boxes, b.gt_names, model.coder.classes)
             for name, net in nets.items():
-                target = boxes_mask(cars, grid, variants[name]["margin"], downsample=net.downsample).to(bev)
+                target = model.object_mask(b, net.downsample, dilation_m=variants[name]["margin"]).to(bev)
                 loss = mask_loss(net(bev), target, kind)
                 opts[name].zero_grad()
                 loss.backward()
