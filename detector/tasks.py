@@ -222,6 +222,29 @@ def _flat_hparams(config: dict, prefix: str = "") -> dict[str, Any]:
 _MOVED_TARGETS = {"detector.data.voxelize.BevGrid": "detector.geometry.voxelize.BevGrid"}
 
 
+# a mask net's settings that do not change its weights: how its prediction is thresholded and dilated
+_MASK_NET_SETTINGS = ("threshold", "dilation")
+
+
+def _trained_net(net_cfg: DictConfig, saved_net: dict, ckpt_path: str | Path) -> DictConfig:
+    """The mask net a mask override asks for, built as the checkpoint trained it: its architecture (everything but
+    :data:`_MASK_NET_SETTINGS`) from the checkpoint - the weights fit no other - and its threshold and dilation from
+    the override. One warning names what differs (a network the config describes differently, or settings other than
+    those it trained with, which cost AP: README, Speed)."""
+    net = net_cfg.copy()
+    arch = {k: v for k, v in saved_net.items() if k not in _MASK_NET_SETTINGS}
+    differ = [f"{k}={v} (config: {net.get(k)})" for k, v in arch.items() if net.get(k) != v]
+    retuned = [f"{k}={net.get(k)} (trained at {saved_net[k]})" for k in _MASK_NET_SETTINGS
+               if k in saved_net and net.get(k) != saved_net[k]]
+    with open_dict(net):
+        net.update(arch)
+    if differ or retuned:
+        log.warning("mask.net: %s", "; ".join(
+            ([f"the mask net {ckpt_path} trained has " + ", ".join(differ) + ": built as trained"] if differ else [])
+            + (["run at " + ", ".join(retuned)] if retuned else [])))
+    return net
+
+
 def load_detector(ckpt_path: str | Path, mask_override: str | DictConfig | None = None
                   ) -> tuple[BevDetector, DictConfig]:
     """Rebuild the detector from a checkpoint's saved config and load its weights (weights_only).
@@ -243,6 +266,8 @@ def load_detector(ckpt_path: str | Path, mask_override: str | DictConfig | None 
 
         with initialize_config_dir(str(config_dir()), version_base=None):
             cfg.mask = compose(config_name="train", overrides=[f"mask={mask_override}"]).mask
+    if mask_override is not None and cfg.mask.get("net") is not None and (saved.get("mask") or {}).get("net"):
+        cfg.mask.net = _trained_net(cfg.mask.net, saved["mask"]["net"], ckpt_path)
     grid = build_grid(cfg.bev)
     model = build_model(cfg.model, cfg.mask, grid)
     state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}

@@ -178,6 +178,43 @@ def test_mask_net_the_checkpoint_did_not_train_is_refused(predicted_ckpt, tmp_pa
         load_detector(tmp_path / "no_mask_net.ckpt", "predicted")
 
 
+def test_mask_override_builds_the_net_the_checkpoint_trained(car_root, tmp_path, caplog):
+    """mask=predicted on a checkpoint whose mask net the config now describes differently (trained with 2
+    convolutions of 8 channels at threshold 0.3): the network is built as trained and gets its weights, the
+    override's threshold is used, and one warning says both - not a size mismatch from deep inside torch."""
+    import logging
+
+    from hydra import compose, initialize_config_dir
+
+    from detector.callbacks import load_checkpoint
+    from detector.resources import config_dir
+    from detector.tasks import load_detector
+
+    run = train(_cfg(tmp_path / "run", car_root, "trainer.limit_train_batches=1", "trainer.limit_val_batches=0",
+                     "callbacks.model_checkpoint.monitor=null", "evaluate_after=false", "logger=none",
+                     "mask=predicted", "mask.net.num_convs=2", "mask.net.channels=8", "mask.net.threshold=0.3"))
+    with initialize_config_dir(str(config_dir()), version_base=None):
+        configured = compose(config_name="train", overrides=["mask=predicted"]).mask.net
+    assert (configured.num_convs, configured.channels, configured.threshold) != (2, 8, 0.3)  # the case can fail
+    def load(*args):  # the detector, its config and what load_detector warned
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="detector.tasks"):
+            model, cfg = load_detector(run["best_ckpt"], *args)
+        return model, cfg, [r.getMessage() for r in caplog.records if r.name == "detector.tasks"]
+
+    own, _, messages = load()
+    assert messages == []  # its own mask: nothing to say
+    model, cfg, messages = load("predicted")
+    convs = [m for m in model.mask_net.net if isinstance(m, torch.nn.Conv2d)]
+    assert [c.out_channels for c in convs] == [8, 8, 1]
+    trained = {k.removeprefix("model.mask_net."): v for k, v in load_checkpoint(run["best_ckpt"])["state_dict"].items()
+               if k.startswith("model.mask_net.")}
+    assert trained and all(torch.equal(v, trained[k]) for k, v in model.mask_net.state_dict().items())
+    assert model.mask_net.threshold == configured.threshold and own.mask_net.threshold == 0.3
+    assert cfg.mask.net.threshold == configured.threshold and cfg.mask.net.num_convs == 2
+    assert len(messages) == 1 and "num_convs=2" in messages[0] and "channels=8" in messages[0]
+    assert f"threshold={configured.threshold} (trained at 0.3)" in messages[0]
+
 def test_objects_outside_the_grid_are_named_not_silently_dropped(car_root, predicted_ckpt, oracle, tmp_path, capsys):
     """A labeled Car at x = 40 m (the TINY grid ends at 25.6 m) is not scored - AP stays 100 - and the evaluation
     says so: counted and named (frame, class, distance) on its output and in metrics.json."""

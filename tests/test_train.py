@@ -202,7 +202,7 @@ def test_readme_default_run_trains_the_mask_net_on_its_own_prediction(tmp_path, 
         net = model.mask_net
         net.net[-1].bias.zero_()
         logits = net(model.voxelize(batch))
-        net.net[-1].bias.fill_(-float(torch.quantile(logits.flatten(), 0.97)))  # threshold 0.5: logit 0
+        net.net[-1].bias.fill_(-float(torch.quantile(logits.flatten(), 0.97)))  # over 0.5, so over the threshold
     union.load_state_dict(model.state_dict())
     out, out_union = model(batch), union(batch)
     d, t = cfg.mask.net.downsample, cfg.mask.net.threshold
