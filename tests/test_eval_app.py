@@ -196,6 +196,7 @@ def test_mask_override_builds_the_net_the_checkpoint_trained(car_root, tmp_path,
     with initialize_config_dir(str(config_dir()), version_base=None):
         configured = compose(config_name="train", overrides=["mask=predicted"]).mask.net
     assert (configured.num_convs, configured.channels, configured.threshold) != (2, 8, 0.3)  # the case can fail
+
     def load(*args):  # the detector, its config and what load_detector warned
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="detector.tasks"):
@@ -214,6 +215,7 @@ def test_mask_override_builds_the_net_the_checkpoint_trained(car_root, tmp_path,
     assert cfg.mask.net.threshold == configured.threshold and cfg.mask.net.num_convs == 2
     assert len(messages) == 1 and "num_convs=2" in messages[0] and "channels=8" in messages[0]
     assert f"threshold={configured.threshold} (trained at 0.3)" in messages[0]
+
 
 def test_objects_outside_the_grid_are_named_not_silently_dropped(car_root, predicted_ckpt, oracle, tmp_path, capsys):
     """A labeled Car at x = 40 m (the TINY grid ends at 25.6 m) is not scored - AP stays 100 - and the evaluation
