@@ -44,7 +44,7 @@ def wheel(tmp_path_factory) -> Path:
     r = _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
               "-w", out, src], cwd=src)
     assert r.returncode == 0, r.stderr[-3000:]
-    (whl,) = out.glob("detector-*.whl")
+    (whl,) = out.glob("sbnet_bev_detector-*.whl")  # the distribution's name; the import package is detector/
     return whl
 
 
@@ -62,7 +62,10 @@ def test_wheel_holds_every_package_kernel_source_and_config(wheel):
     assert {f"detector/_kernels/{k}" for k in kernels} <= names
     configs = _files_under(REPO / "configs", "**/*.yaml")
     assert {f"detector/_configs/{c}" for c in configs} <= names
-    entry = zipfile.ZipFile(wheel).read("detector-0.1.0.dist-info/entry_points.txt").decode()
+    (info,) = {n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA")}
+    metadata = zipfile.ZipFile(wheel).read(f"{info}/METADATA").decode()
+    assert "\nName: sbnet-bev-detector\n" in metadata, metadata[:300]
+    entry = zipfile.ZipFile(wheel).read(f"{info}/entry_points.txt").decode()
     assert all(f"{e} = " in entry for e in ENTRY_POINTS), entry
 
 
