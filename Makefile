@@ -6,12 +6,12 @@ PYTHON := $(BIN)/python
 # CPU wheel of torch that lies on our machines; pyproject.toml admits any torch >= 2.4 (e.g. a CUDA build).
 TORCH_PIN ?= torch==2.13.0
 DATA ?= data/sim_kitti
-# Large fresh allocations pay page faults on our machines: keep freed memory in the heap (see benchmarks).
+# Large fresh allocations pay page faults: keep freed memory in the heap (docs/speed.md, CPU settings).
 export MALLOC_MMAP_MAX_ ?= 0
 export MALLOC_TRIM_THRESHOLD_ ?= 4000000000
 # torch's CPU allocator: 2 MB-aligned, huge-page-advised buffers for tensors >= 2 MB. Sparse steps allocate blocks of
-# changing sizes that split the heap's free space, so a full-size map often lands on fresh pages: 4.6k page faults
-# (~55 ms) in one stem forward; with this, none (README, CPU notes)
+# changing sizes that split the heap's free space, so a full-size map often lands on fresh pages, thousands of page
+# faults in one forward; with this, none (docs/speed.md, CPU settings)
 export THP_MEM_ALLOC_ENABLE ?= 1
 
 .PHONY: setup sysdeps train test test-all data kernels kernels-cuda gpu-check bench bench-quick lint clean

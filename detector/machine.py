@@ -18,7 +18,7 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
-# The allocator settings the Makefile exports (the README's CPU notes say why): a benchmark records them.
+# The allocator settings the Makefile exports (docs/speed.md, CPU settings, says why): a benchmark records them.
 ALLOCATOR_VARS = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "THP_MEM_ALLOC_ENABLE")
 
 

@@ -141,9 +141,8 @@ class DetectorModule(L.LightningModule):
 
     def _logged_step(self) -> bool:
         """Whether Lightning writes this training step's values (every ``log_every_n_steps`` and when
-        stopping); it drops the others, but each ``self.log`` call costs ~0.25 ms on a CPU: logged on every step,
-        the losses and timings took ~7 ms of each of make train's steps (py-spy over its first epoch), the plan's
-        ~13 scalars 3-4 ms more."""
+        stopping); it drops the others, but each ``self.log`` call still costs its time, and a step logs over a dozen
+        scalars - a visible share of a small CPU step (docs/speed.md)."""
         t = self.trainer
         return t.should_stop or (self.global_step + 1) % max(1, t.log_every_n_steps) == 0
 

@@ -182,8 +182,7 @@ class BevDetector(nn.Module):
         """The mask network's threshold at training step ``step`` (None: the network's own, the inference one):
         ``mask_train_threshold`` during the first ``mask_train_threshold_steps`` steps - cheaper steps at a tighter
         mask while the detector learns - then the network's, so that the weights end trained at the coverage they
-        are evaluated at (weights trained at 0.3 lose 1.6 BEV points evaluated at 0.5:
-        benchmarks/tradeoff_seeds_xeon5_threshold03)."""
+        are evaluated at (weights trained at a looser threshold lose AP evaluated at a tighter one: docs/speed.md)."""
         if self.mask_train_threshold is not None and step is not None and step < self.mask_train_threshold_steps:
             return self.mask_train_threshold
         return None

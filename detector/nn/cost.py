@@ -78,8 +78,8 @@ class CostModel:
     def distortion(self) -> str | None:
         """Why these constants cannot be a quiet machine's, or None: a unit's fixed cost in inference (forward
         only) above its fixed cost in training (forward + backward of the same unit). Seen when another process
-        stalled the inference measurements (28 ms per unit instead of 0.3 ms), which then priced every sparse
-        and dense stage of a plan at seconds."""
+        stalled the inference measurements by orders of magnitude, which then priced every sparse and dense stage of
+        a plan at seconds."""
         for kind in ("dense", "sparse"):
             infer, train = getattr(self, f"{kind}_unit"), getattr(self, f"{kind}_unit_train")
             if infer > train:

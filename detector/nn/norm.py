@@ -71,11 +71,10 @@ def region_moments(z: torch.Tensor, level: Level, masks: LevelMasks) -> Moments:
 
 
 def _channel_sums(rows: torch.Tensor) -> torch.Tensor:
-    """Per-channel sums of ``rows [pixels, C]``. torch 2.13's CPU reduction over the rows of a long, narrow matrix is
-    slow (make train's stem, 73.5k x 24: 0.63 ms on its CPU); summing ``1024 // C`` rows side by side first (a view)
-    takes 0.23 ms there (41.6k x 24: 0.36 -> 0.11, 25k x 24: 0.14 -> 0.05, 15k x 48: 0.12 -> 0.06 ms). Smaller or
-    wider matrices, where the direct sum was as fast or faster (8k x 24: 0.015 vs 0.024, 9.8k x 64: 0.07 vs 0.10 ms),
-    and other devices sum directly."""
+    """Per-channel sums of ``rows [pixels, C]``. torch's CPU reduction over the rows of a long, narrow matrix is slow:
+    it runs down few, long columns; summing ``1024 // C`` rows side by side first (a view, so each reduction row is
+    1024 values wide) is several times faster there. Smaller or wider matrices, where the direct sum is as fast or
+    faster, and other devices sum directly (the timings: docs/speed.md)."""
     P, C = rows.shape
     if rows.device.type != "cpu" or C > 48 or P * C < 2**19:
         return rows.sum(0)

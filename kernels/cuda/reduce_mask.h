@@ -59,8 +59,8 @@ at::Tensor reduce_mask(const at::Tensor& mask, c10::IntArrayRef bsize, c10::IntA
   const typename Exec::Guard guard(mask.device());
   // CUDA's nonzero returns its [K, 3] result transposed (column-major); the indices must be row-major
   // contiguous like the CPU kernel's: every op copies non-contiguous indices, and the Python wrappers re-check
-  // (sort + host sync) indices they cannot recognize as reduce_mask's own (first H200 profile: 46 sorts and
-  // over 200 copies per forward at bev=kitti).
+  // (sort + host sync) indices they cannot recognize as reduce_mask's own: a sort and a copy per op, every
+  // forward (docs/gpu.md).
   return at::nonzero(active).to(at::kInt, /*non_blocking=*/false, /*copy=*/false, at::MemoryFormat::Contiguous);
 }
 
