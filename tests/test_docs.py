@@ -172,3 +172,13 @@ def test_key_value_command_lines_parse(doc, script, args, monkeypatch):
     except SystemExit as e:
         pytest.fail(f"{doc}: `{script} {' '.join(args)}` is refused: {e}")
     assert accepted, f"{script}'s main did not parse its arguments with detector.cli.parse_args"
+
+
+def test_no_dates_in_the_readme_configs_or_code():
+    """Configs, code and the README say why, not when: the record with its dates lives in docs/ and benchmarks/."""
+    date = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
+    files = [REPO / "README.md"] + [p for d in ("configs", "detector", "kernels") for p in sorted((REPO / d).rglob("*"))
+                                    if p.suffix in (".py", ".yaml", ".h", ".cpp", ".cu", ".md")]
+    dated = [f"{_rel(p)}:{i}" for p in files for i, line in enumerate(p.read_text().splitlines(), 1)
+             if date.search(line)]
+    assert not dated, f"dates in {dated}: move the record to docs/speed.md or benchmarks/, say why instead"
