@@ -32,6 +32,7 @@ PLACEHOLDERS = {"<run>": "run", "...": "dummy"}
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 _BENCH = re.compile(r"benchmarks/[\w./-]*[\w/]")
 _COMMAND = re.compile(r"^(?:\.venv/bin/)?python3? (scripts/[\w/]+\.py)\b(.*)$")
+_INLINE = re.compile(r"(?<!`)`(?:\.venv/bin/)?(?:python3? )?(scripts/[\w/]+\.py)(\s[^`]*=[^`]*)`(?!`)")
 
 
 def _rel(p: Path) -> str:
@@ -50,19 +51,20 @@ def _code_lines(text: str) -> list[str]:
 
 
 def _commands() -> list[tuple[str, str, list[str]]]:
-    """(doc, script, arguments) of every ``python scripts/...`` line in a code block of the docs: the comment cut,
-    optional ``[key=value]`` brackets dropped, placeholders filled in."""
+    """(doc, script, arguments) of every ``python scripts/...`` line in a code block of the docs, and of every inline
+    ``scripts/... key=value`` span with arguments (e.g. in a results table): the comment cut, optional
+    ``[key=value]`` brackets dropped, placeholders filled in."""
     found = []
     for doc in DOCS:
-        for line in _code_lines(doc.read_text()):
-            m = _COMMAND.match(line)
-            if not m:
-                continue
-            args = re.split(r"\s+#\s", m.group(2), maxsplit=1)[0]
+        text = doc.read_text()
+        lines = [(m.group(1), re.split(r"\s+#\s", m.group(2), maxsplit=1)[0])
+                 for m in map(_COMMAND.match, _code_lines(text)) if m]
+        lines += [(m.group(1), m.group(2).replace("\n", " ")) for m in _INLINE.finditer(text)]
+        for script, args in lines:
             for key, value in PLACEHOLDERS.items():
                 args = args.replace(key, value)
             tokens = [t[1:-1] if t.startswith("[") and t.endswith("]") else t for t in shlex.split(args)]
-            found.append((_rel(doc), m.group(1), tokens))
+            found.append((_rel(doc), script, tokens))
     return found
 
 
