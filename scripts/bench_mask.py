@@ -19,7 +19,7 @@ batches (augmented, batch norm in training mode: what training pays) and on the 
 
 and ``ms``: the network's forward + backward on one training batch (median of 25, 2 threads). A setting that
 keeps more of the boxes at the same MACs is a better mask; which one trains the better detector takes
-``scripts/bench_train.py`` (the README's mask paragraph).
+``scripts/bench_train.py`` (docs/speed.md, the default mask).
 """
 
 from __future__ import annotations
