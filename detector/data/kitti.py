@@ -27,6 +27,7 @@ import numpy as np
 
 from detector.data.kitti_calib import Calibration
 from detector.data.kitti_labels import read_label
+from detector.data.pointcloud import finite_points, read_bin
 from detector.data.road_map import read_road_map
 from detector.errors import KittiFormatError
 
@@ -36,27 +37,8 @@ if TYPE_CHECKING:  # boxes import torch: the metric's CLI (image sets, label fil
 
 def read_points(path: str | Path) -> np.ndarray:
     """[N, 4] float32 (x, y, z, reflectance) from a velodyne ``.bin``; rejects truncated, empty and
-    non-finite scans."""
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise KittiFormatError(path, "point cloud file not found") from None
-    if size == 0:
-        raise KittiFormatError(path, "empty point cloud (0 bytes)")
-    if size % 16:
-        raise KittiFormatError(
-            path, f"truncated point cloud: {size} bytes is not a multiple of 16 (4 float32 per point)"
-        )
-    pts = np.fromfile(path, dtype=np.float32)
-    if pts.size * 4 != size:
-        raise KittiFormatError(path, f"could read only {pts.size * 4} of {size} bytes")
-    pts = pts.reshape(-1, 4)
-    if not np.isfinite(pts).all():  # the per-point mask only on the (rare) failure path
-        bad = ~np.isfinite(pts).all(axis=1)
-        first = int(np.flatnonzero(bad)[0])
-        raise KittiFormatError(path, f"{int(bad.sum())} points with NaN or infinite values (first: point {first})")
-    return pts
+    non-finite scans (the readers of :mod:`detector.data.pointcloud`, which ``predict`` uses too)."""
+    return finite_points(read_bin(path), path)[0]
 
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
