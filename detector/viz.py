@@ -1,7 +1,8 @@
 """Bird's-eye-view images of a frame: points, computation mask, ground-truth and predicted boxes.
 
 Used by TensorBoard logging and ``scripts/visualize.py`` (which also renders 3D views with open3d).
-The image is drawn with numpy only: x (forward) points up, y (left) points left, like a driver's map.
+The image is drawn with numpy only: x (forward) points up, y (left) points left, like a driver's map; open3d
+(imported when a PNG is written) writes it.
 """
 
 from __future__ import annotations
@@ -69,3 +70,11 @@ def bev_image(
         keep = slice(None) if det_scores is None else (det_scores.detach().cpu() >= score_threshold)
         _draw_boxes(img, grid, det_boxes[keep] if det_scores is not None else det_boxes, DET_COLOR)
     return img
+
+
+def write_png(path, img: np.ndarray) -> None:
+    """Write an [H, W, 3] uint8 image as PNG (open3d's writer)."""
+    import open3d as o3d
+
+    if not o3d.io.write_image(str(path), o3d.geometry.Image(np.ascontiguousarray(img))):
+        raise OSError(f"{path}: could not write PNG")

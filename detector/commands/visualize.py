@@ -26,7 +26,7 @@ from detector.cli import parse_args
 from detector.data.kitti import KittiRoot
 from detector.data.kitti_camera import in_camera_fov
 from detector.data.kitti_labels import IMAGE_SIZE
-from detector.data.structures import Detections, Frame, collate_frames
+from detector.data.structures import Detections, Frame
 from detector.errors import CheckpointError, KittiFormatError, one_line
 from detector.geometry.boxes import BOX_EDGES, Boxes3D
 
@@ -69,29 +69,16 @@ def render_3d(points: np.ndarray, boxes: list[tuple[Boxes3D, tuple[float, float,
     return out.is_file() and out.stat().st_size > 0
 
 
-def write_png(path: Path, img: np.ndarray) -> None:
-    import open3d as o3d
-
-    if not o3d.io.write_image(str(path), o3d.geometry.Image(np.ascontiguousarray(img))):
-        raise OSError(f"{path}: could not write PNG")
-
-
 def detect(model, cfg, frame: Frame) -> tuple[Detections, torch.Tensor | None]:
     """One frame's detections (all scores above the decode threshold) with the model's decode settings
-    (those evaluation uses) and its computation mask [H, W] (None: dense). The mask comes from ``cfg.mask``
-    as :func:`detector.tasks.load_detector` set it: the checkpoint's, or a ``mask=`` override. A
-    road-map mask on a frame without a road map raises ValueError (its message names the frame)."""
-    from detector.tasks import decode_kwargs
+    (those evaluation uses) and its computation mask [H, W] (None: dense): :class:`detector.predict.Predictor`, as
+    ``detector-predict`` runs it. The mask comes from ``cfg.mask`` as :func:`detector.tasks.load_detector` set it:
+    the checkpoint's, or a ``mask=`` override. A road-map mask on a frame without a road map raises ValueError (its
+    message names the frame)."""
+    from detector.predict import Predictor
 
-    batch = collate_frames([frame])
-    if cfg.mask.get("provider") is not None and cfg.model.sparse:
-        from hydra.utils import instantiate
-
-        batch.mask = instantiate(cfg.mask.provider)(batch, model.grid).mask
-    with torch.no_grad():
-        out = model(batch)
-        dets = model.decode(out, **decode_kwargs(cfg.model))[0]
-    return dets, (None if out.mask is None else out.mask[0, 0])
+    pred = Predictor.from_config(model, cfg, next(model.parameters()).device)([frame])
+    return pred.dets[0], (None if pred.out.mask is None else pred.out.mask[0, 0])
 
 
 def main(argv=None) -> int:
@@ -134,7 +121,7 @@ def main(argv=None) -> int:
         if args["mode"] == "3d":
             print("error: open3d could not render offscreen on this machine; use mode=bev", file=sys.stderr)
             return 1
-    from detector.viz import bev_image
+    from detector.viz import bev_image, write_png
 
     if grid is None:
         from detector.geometry.voxelize import BevGrid
