@@ -22,7 +22,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = ("pyproject.toml", "README.md", "detector", "kernels", "configs")
 ENTRY_POINTS = ("detector-train", "detector-evaluate", "detector-kitti-eval", "detector-make-dataset",
-                "detector-inspect-dataset", "detector-visualize", "detector-export")
+                "detector-inspect-dataset", "detector-visualize", "detector-export", "detector-predict")
 _IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", "*.egg-info", "build")
 
 

@@ -1,0 +1,289 @@
+"""Run a checkpoint on point-cloud files and write the boxes it finds.
+
+    detector-predict ckpt_path=PATH input=FILE|DIR [out=DIR] [format=auto|bin|npy|pcd|ply]
+                     [calib=FILE|DIR] [image=FILE|DIR] [mask=predicted|ground|none] [skip_bad=false]
+                     [drop_nonfinite=false] [intensity_scale=1.0] [fov_only=true] [picture=bev|3d|both|none]
+                     [draw_threshold=0.3] [device=auto|cpu|cuda]
+    (or: python scripts/predict.py ...)
+
+input: a point cloud (KITTI .bin float32 x, y, z, reflectance; .npy [N, 3] or [N, 4]; .pcd or .ply) or a folder of
+them (format= picks one kind; auto: every known extension). Each cloud goes through the checkpoint's BEV grid,
+computation mask and decoding, as evaluation runs it. Per frame (its id: the file name without extension), in out
+(default outputs/predict/<date_time>):
+    json/<id>.json     the boxes in the LiDAR frame: x, y, z (centre), l, w, h, yaw, class, score; and what was read
+    txt/<id>.txt       the same, one box a line: x y z dx dy dz heading class score (OpenPCDet's custom format + score)
+    kitti/<id>.txt     KITTI result files (camera frame, 2D box from the calibration's P2), with calib= only
+    bev/<id>.png       the bird's-eye view: points, computation mask, boxes scored >= draw_threshold
+    3d/<id>.png        (picture=3d|both) an offscreen open3d view, where this machine can render one
+and summary.json (frames, boxes per class, ms per frame, skipped files, warnings). Every file is written whole
+once its frame succeeded.
+
+calib: a KITTI calibration file for every frame, or a folder of <id>.txt. With it the points are cut to the
+camera's view (fov_only, as training and evaluation do) and the KITTI files are written: for a KITTI frame they
+equal the ones scripts/evaluate.py writes. image: the left camera's PNG (or a folder of <id>.png): its size (default
+1242 x 375) bounds the camera's view and the 2D boxes, as evaluation reads it from image_2/.
+mask: a computation mask in place of the checkpoint's (as scripts/evaluate.py mask=...); a road map needs the
+simulator's maps, which a point cloud has not: use ground, none, or predicted where the checkpoint trained a mask net.
+
+A cloud that does not look like the training data (metres, x forward, y left, z up, reflectance in [0, 1]) gets one
+warning line per reason - no reflectance channel (0 used), reflectance beyond [0, 1] (intensity_scale= scales it),
+millimetre or centimetre units, another up-axis, most points outside the grid - the first time it occurs; the
+summary counts them. A bad file (empty, truncated, NaN/inf points, unknown extension) stops the run with one line
+naming it; skip_bad=true skips and counts it instead. drop_nonfinite=true drops NaN/inf points (counted) instead of
+refusing the file. docs/predict.md has the details.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from detector.cli import parse_args
+from detector.errors import ConfigError, KittiFormatError, run_cleanly
+from detector.files import atomic_path, write_text_atomic
+
+USAGE = __doc__
+
+DEFAULTS: dict[str, Any] = {
+    "ckpt_path": None, "input": None, "out": None, "format": "auto", "calib": None, "image": None, "mask": None,
+    "skip_bad": False, "drop_nonfinite": False, "intensity_scale": 1.0, "fov_only": True, "picture": "bev",
+    "draw_threshold": 0.3, "device": "auto",
+}
+PICTURES = ("bev", "3d", "both", "none")
+
+
+def _per_frame(arg: str | None, what: str, ext: str) -> Callable[[str], Path] | None:
+    """A file given for every frame, or a folder of ``<id><ext>``; None when not given."""
+    if arg is None:
+        return None
+    path = Path(arg)
+    if path.is_dir():
+        return lambda frame_id: path / f"{frame_id}{ext}"
+    if not path.is_file():
+        raise KittiFormatError(path, f"{what} not found (a file for every frame, or a folder of <id>{ext})")
+    return lambda frame_id: path
+
+
+def _inputs(args: dict[str, Any]) -> list[Path]:
+    from detector.data.pointcloud import cloud_format, list_point_clouds
+
+    src = Path(args["input"])
+    if src.is_dir():
+        return list_point_clouds(src, args["format"])
+    if not src.is_file():
+        raise KittiFormatError(src, "input not found (a point-cloud file or a folder of them)")
+    cloud_format(src, args["format"])  # an unknown extension fails before the checkpoint loads
+    return [src]
+
+
+class _Run:
+    """One predict run: the predictor, where outputs go, and what has been counted so far."""
+
+    def __init__(self, args: dict[str, Any], predictor, out: Path, total: int):
+        self.args, self.predictor, self.out, self.total = args, predictor, out, total
+        self.calib_for = _per_frame(args["calib"], "calibration", ".txt")
+        self.image_for = _per_frame(args["image"], "image", ".png")
+        self.pictures = {"bev", "3d"} if args["picture"] == "both" else {args["picture"]} - {"none"}
+        self.frames, self.boxes = 0, Counter()
+        self.model_ms: list[float] = []
+        self.frame_ms: list[float] = []
+        self.notes: Counter = Counter()
+        self.skipped: list[str] = []
+
+    def frame(self, path: Path, say: Callable[[str], None]) -> None:
+        """Read, predict and write one point cloud; raises KittiFormatError (naming the file) on bad input before
+        anything of the frame is written."""
+        from detector.data.kitti import check_image_matches_calib, read_png_size
+        from detector.data.kitti_calib import Calibration
+        from detector.data.kitti_camera import in_camera_fov
+        from detector.data.kitti_labels import IMAGE_SIZE
+        from detector.data.pointcloud import read_point_cloud, sanity_notes
+        from detector.data.structures import Frame
+        from detector.module import frame_records
+        from detector.predict import box_dicts, openpcdet_lines
+
+        t0 = time.perf_counter()
+        args, pred = self.args, self.predictor
+        frame_id = path.stem
+        cloud = read_point_cloud(path, args["format"], drop_nonfinite=args["drop_nonfinite"])
+        if args["intensity_scale"] != 1.0 and cloud.has_intensity:
+            cloud.points[:, 3] *= args["intensity_scale"]
+        notes = sanity_notes(cloud, pred.grid)
+        calib = image_size = None
+        points = cloud.points
+        if self.calib_for is not None:
+            calib_path = self.calib_for(frame_id)
+            calib = Calibration.from_file(calib_path)
+            if self.image_for is not None:
+                image_size = read_png_size(self.image_for(frame_id))
+                check_image_matches_calib(image_size, calib, self.image_for(frame_id), calib_path)
+            if args["fov_only"]:  # as the dataset does for training and evaluation (data.fov_only)
+                points = points[in_camera_fov(points, calib, image_size or IMAGE_SIZE)]
+        frame = Frame(frame_id, points, calib, image_size=image_size)
+        t_model = time.perf_counter()
+        result = pred([frame])
+        model_ms = 1000 * (time.perf_counter() - t_model)
+        dets = result.dets[0]
+        boxes = box_dicts(dets, pred.classes)
+        kitti = frame_records(result.batch, result.dets, pred.classes, pred.grid)[0].dt if calib is not None else None
+        images = self._pictures(points, dets, result.out.mask)
+        for kind, line in notes:
+            if not self.notes[kind]:
+                say(f"warning: {path}: {line}" + (" (later frames: counted in the summary)" if self.many else ""))
+            self.notes[kind] += 1
+        record = {"frame_id": frame_id, "source": str(path.resolve()), "points": int(len(cloud.points)),
+                  "points_used": int(len(points)), "intensity": cloud.has_intensity,
+                  "nonfinite_dropped": cloud.dropped, "warnings": [line for _, line in notes],
+                  "checkpoint": str(args["ckpt_path"]), "boxes": boxes}
+        # everything of the frame is computed: now its files, each whole
+        write_text_atomic(self.out / "json" / f"{frame_id}.json", json.dumps(record, indent=1) + "\n")
+        write_text_atomic(self.out / "txt" / f"{frame_id}.txt", "".join(s + "\n" for s in openpcdet_lines(boxes)))
+        if kitti is not None:
+            from detector.data.kitti_labels import write_label
+
+            with atomic_path(self.out / "kitti" / f"{frame_id}.txt") as tmp:
+                write_label(tmp, kitti)
+        self._write_pictures(frame_id, images, points, dets, say)
+        self.frames += 1
+        self.boxes.update(b["class"] for b in boxes)
+        self.model_ms.append(model_ms)
+        self.frame_ms.append(1000 * (time.perf_counter() - t0))
+
+    @property
+    def many(self) -> bool:
+        return self.total > 1
+
+    def _pictures(self, points: np.ndarray, dets, mask) -> dict[str, np.ndarray]:
+        """The bird's-eye view to write (``bev``), computed before any file of the frame is written."""
+        if "bev" not in self.pictures:
+            return {}
+        from detector.viz import bev_image
+
+        return {"bev": bev_image(points, self.predictor.grid, det_boxes=dets.boxes, det_scores=dets.scores,
+                                 mask=None if mask is None else mask[0, 0],
+                                 score_threshold=self.args["draw_threshold"])}
+
+    def _write_pictures(self, frame_id: str, images: dict[str, np.ndarray], points: np.ndarray, dets,
+                        say: Callable[[str], None]) -> None:
+        from detector.viz import write_png
+
+        for name, img in images.items():
+            with atomic_path(self.out / name / f"{frame_id}.png") as tmp:
+                write_png(tmp, img)
+        if "3d" in self.pictures:
+            from detector.commands.visualize import render_3d
+
+            target = self.out / "3d" / f"{frame_id}.png"
+            tmp = target.with_name(f".{frame_id}.tmp{os.getpid()}.png")
+            drawn = dets.boxes[dets.scores >= self.args["draw_threshold"]]
+            try:
+                rendered = render_3d(points, [(drawn, (1.0, 0.25, 0.25))], tmp)
+                if rendered:
+                    os.replace(tmp, target)
+            finally:
+                tmp.unlink(missing_ok=True)
+            if not rendered:
+                say("warning: open3d cannot render offscreen on this machine: no 3D pictures from here on "
+                    "(picture=bev draws the bird's-eye view)")
+                self.pictures.discard("3d")
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "frames": self.frames, "skipped": len(self.skipped), "skipped_files": self.skipped,
+            "boxes": dict(sorted(self.boxes.items())),
+            "model_ms_per_frame_median": float(np.median(self.model_ms)) if self.model_ms else None,
+            "model_ms_first_frame": self.model_ms[0] if self.model_ms else None,
+            "ms_per_frame_median": float(np.median(self.frame_ms)) if self.frame_ms else None,
+            "warnings": dict(self.notes), "checkpoint": str(self.args["ckpt_path"]),
+            "device": str(self.predictor.device), "output": str(self.out),
+        }
+
+
+def predict(args: dict[str, Any]) -> dict[str, Any]:
+    """The command behind ``main``: returns the summary (also written to ``out/summary.json``)."""
+    for key in ("ckpt_path", "input"):
+        if not args[key]:
+            raise ConfigError(f"{key}= is required (see --help)")
+    if args["picture"] not in PICTURES:
+        raise ConfigError(f"picture={args['picture']!r}: choose {', '.join(PICTURES)}")
+    if args["device"] not in ("auto", "cpu", "cuda") and not str(args["device"]).startswith("cuda:"):
+        raise ConfigError(f"device={args['device']!r}: choose auto, cpu or cuda")
+    if args["image"] is not None and args["calib"] is None:
+        raise ConfigError("image= gives the camera's image size for the KITTI files: give calib= too")
+    if not (args["intensity_scale"] > 0 and np.isfinite(args["intensity_scale"])):
+        raise ConfigError(f"intensity_scale={args['intensity_scale']}: must be a positive number")
+    files = _inputs(args)
+    _per_frame(args["calib"], "calibration", ".txt")  # a missing calibration fails before the checkpoint loads
+    _per_frame(args["image"], "image", ".png")
+
+    from tqdm import tqdm
+
+    from detector.data.masks import RoadMapMask
+    from detector.predict import Predictor
+
+    device = None if args["device"] == "auto" else args["device"]
+    predictor, cfg = Predictor.from_checkpoint(args["ckpt_path"], args["mask"], device)
+    if isinstance(predictor.mask_provider, RoadMapMask):
+        raise ConfigError(f"mask: {args['ckpt_path']} runs with mask=road_map, which needs the simulator's road maps; "
+                          "a point cloud has none: give mask=ground, mask=none or (if it trained a mask net) "
+                          "mask=predicted")
+    out = Path(args["out"] or Path("outputs") / "predict" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
+    for sub in ("json", "txt", *(["kitti"] if args["calib"] else []),
+                *({"bev": ["bev"], "3d": ["3d"], "both": ["bev", "3d"], "none": []}[args["picture"]])):
+        (out / sub).mkdir(parents=True, exist_ok=True)
+    g = predictor.grid
+    print(f"predicting {len(files)} point cloud(s) with {args['ckpt_path']} on {predictor.device}: grid x "
+          f"[{g.x_range[0]:g}, {g.x_range[1]:g}) y [{g.y_range[0]:g}, {g.y_range[1]:g}) z [{g.z_range[0]:g}, "
+          f"{g.z_range[1]:g}) m, classes {', '.join(predictor.classes)}; output {out}")
+    run = _Run(args, predictor, out, len(files))
+    bar = tqdm(files, unit="frame", file=sys.stderr, disable=len(files) == 1, dynamic_ncols=True)
+
+    def say(line: str) -> None:  # a line on stderr that the progress bar does not overwrite
+        bar.write(line, file=sys.stderr)
+
+    for path in bar:
+        try:
+            run.frame(path, say)
+        except KittiFormatError as e:
+            if not args["skip_bad"]:
+                bar.close()
+                raise
+            run.skipped.append(str(e))
+            say(f"skipped: {e}")
+    bar.close()
+    summary = run.summary()
+    write_text_atomic(out / "summary.json", json.dumps(summary, indent=1) + "\n")
+    _print_summary(summary)
+    return summary
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    boxes = ", ".join(f"{c} {n}" for c, n in s["boxes"].items()) or "none"
+    print(f"{s['frames']} frame(s), boxes: {boxes}"
+          + (f"; {s['skipped']} bad file(s) skipped" if s["skipped"] else ""))
+    if s["frames"]:
+        print(f"model {s['model_ms_per_frame_median']:.1f} ms per frame (median; voxelize, mask, network, decode; "
+              f"the first frame {s['model_ms_first_frame']:.1f} ms), {s['ms_per_frame_median']:.1f} ms with reading "
+              f"and writing (median) on {s['device']}")
+    if s["warnings"]:
+        print("warnings: " + ", ".join(f"{k} in {n} frame(s)" for k, n in s["warnings"].items()))
+    print(f"wrote {s['output']} (summary.json)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv, DEFAULTS, USAGE)
+    run_cleanly(predict, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
