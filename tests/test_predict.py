@@ -344,3 +344,31 @@ def test_script_runs_on_a_folder_of_mixed_formats(car_root, predicted_ckpt, tmp_
     summary = json.loads((out / "summary.json").read_text())
     assert summary["frames"] == 3 and summary["warnings"] == {"no_intensity": 1}
     assert json.loads((out / "json" / "000001.json").read_text())["intensity"] is False
+
+
+def test_predict_equals_evaluate_on_a_real_kitti_frame(kitti_real, scoring_ckpt, tmp_path, capsys):
+    """A real frame whose image (1224 x 370 px) is not the default 1242 x 375: predict's KITTI file, given the
+    calibration and image folders, equals evaluate's (which reads image_2/); the root is linked, not copied."""
+    from detector.tasks import evaluate_checkpoint
+
+    root = tmp_path / "root"
+    (root / "training").mkdir(parents=True)
+    for sub in ("velodyne", "calib", "label_2", "image_2"):
+        (root / "training" / sub).symlink_to(kitti_real / "training" / sub)
+    (root / "ImageSets").mkdir()
+    (root / "ImageSets" / "one.txt").write_text("000000\n")
+    evaluate_checkpoint(scoring_ckpt, _cfg(tmp_path, root, "data=kitti").data, tmp_path / "eval", split="one")
+    capsys.readouterr()
+    t = kitti_real / "training"
+    common = [f"ckpt_path={scoring_ckpt}", f"input={t / 'velodyne' / '000000.bin'}", f"calib={t / 'calib'}",
+              "picture=none"]
+    rc, _, err = _run(capsys, *common, f"image={t / 'image_2'}", f"out={tmp_path / 'pred'}")
+    assert rc == 0, err
+    evaluated = (tmp_path / "eval" / "data" / "000000.txt").read_text()
+    assert len(evaluated.splitlines()) >= 10
+    assert (tmp_path / "pred" / "kitti" / "000000.txt").read_text() == evaluated
+    # without image= the default, wider image keeps more of the points in the camera's view
+    rc, _, err = _run(capsys, *common, f"out={tmp_path / 'wide'}")
+    assert rc == 0, err
+    used = [json.loads((tmp_path / d / "json" / "000000.json").read_text())["points_used"] for d in ("pred", "wide")]
+    assert used[0] < used[1]

@@ -185,11 +185,16 @@ class _Run:
             target = self.out / "3d" / f"{frame_id}.png"
             tmp = target.with_name(f".{frame_id}.tmp{os.getpid()}.png")
             drawn = dets.boxes[dets.scores >= self.args["draw_threshold"]]
+            import open3d as o3d
+
+            level = o3d.utility.get_verbosity_level()
+            o3d.utility.set_verbosity_level(o3d.utility.VerbosityLevel.Error)  # its window-system probing notes
             try:
                 rendered = render_3d(points, [(drawn, (1.0, 0.25, 0.25))], tmp)
                 if rendered:
                     os.replace(tmp, target)
             finally:
+                o3d.utility.set_verbosity_level(level)
                 tmp.unlink(missing_ok=True)
             if not rendered:
                 say("warning: open3d cannot render offscreen on this machine: no 3D pictures from here on "
@@ -224,6 +229,14 @@ def predict(args: dict[str, Any]) -> dict[str, Any]:
     files = _inputs(args)
     _per_frame(args["calib"], "calibration", ".txt")  # a missing calibration fails before the checkpoint loads
     _per_frame(args["image"], "image", ".png")
+    out = Path(args["out"] or Path("outputs") / "predict" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
+    subs = ["json", "txt", *(["kitti"] if args["calib"] else []),
+            *({"bev": ["bev"], "3d": ["3d"], "both": ["bev", "3d"], "none": []}[args["picture"]])]
+    try:
+        for sub in subs:
+            (out / sub).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"out={out}: cannot create the output folders: {e.strerror or e}") from None
 
     from tqdm import tqdm
 
@@ -236,10 +249,6 @@ def predict(args: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"mask: {args['ckpt_path']} runs with mask=road_map, which needs the simulator's road maps; "
                           "a point cloud has none: give mask=ground, mask=none or (if it trained a mask net) "
                           "mask=predicted")
-    out = Path(args["out"] or Path("outputs") / "predict" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
-    for sub in ("json", "txt", *(["kitti"] if args["calib"] else []),
-                *({"bev": ["bev"], "3d": ["3d"], "both": ["bev", "3d"], "none": []}[args["picture"]])):
-        (out / sub).mkdir(parents=True, exist_ok=True)
     g = predictor.grid
     print(f"predicting {len(files)} point cloud(s) with {args['ckpt_path']} on {predictor.device}: grid x "
           f"[{g.x_range[0]:g}, {g.x_range[1]:g}) y [{g.y_range[0]:g}, {g.y_range[1]:g}) z [{g.z_range[0]:g}, "
