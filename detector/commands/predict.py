@@ -238,12 +238,15 @@ def predict(args: dict[str, Any]) -> dict[str, Any]:
     except OSError as e:
         raise ConfigError(f"out={out}: cannot create the output folders: {e.strerror or e}") from None
 
+    import torch
     from tqdm import tqdm
 
     from detector.data.masks import RoadMapMask
     from detector.predict import Predictor
 
     device = None if args["device"] == "auto" else args["device"]
+    if device is not None and device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={device}: no CUDA device here (torch {torch.__version__}): device=cpu or auto")
     predictor, cfg = Predictor.from_checkpoint(args["ckpt_path"], args["mask"], device)
     if isinstance(predictor.mask_provider, RoadMapMask):
         raise ConfigError(f"mask: {args['ckpt_path']} runs with mask=road_map, which needs the simulator's road maps; "
