@@ -1,16 +1,20 @@
-"""Training plumbing: exact RNG resume and atomic, weights-only checkpoints."""
+"""Training plumbing: exact RNG resume, ``last.ckpt`` at every checkpoint event, atomic weights-only checkpoints."""
 
 from __future__ import annotations
 
 import os
+import pickle
 import random
+import re
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from detector.errors import CheckpointError
@@ -48,6 +52,50 @@ class RngStateCallback(L.Callback):
             torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class LastCheckpoint(ModelCheckpoint):
+    """``<dirpath>/last.ckpt``: the latest training state, written at every checkpoint event - each epoch end and
+    validation, every ``every_n_train_steps`` steps when set, the end of training and an exception - whatever the
+    monitored metric did. A crash (SIGKILL included) therefore loses at most the steps since the last
+    of these. The best checkpoint by validation AP is another :class:`ModelCheckpoint` (``save_last=False``), listed
+    before this one so that the ``last.ckpt`` of a validation holds that callback's updated best.
+
+    (Lightning's ``ModelCheckpoint(save_last=True, monitor=...)`` writes ``last.ckpt`` only when it writes a top-k
+    checkpoint, i.e. when the metric improved: a plateaued run's ``last.ckpt`` stays at its best epoch.)
+
+    Args:
+        dirpath: the run's checkpoint folder.
+        every_n_train_steps: also write every N optimizer steps, mid-epoch (None: at validation / epoch end only).
+        save_on_exception: write when training stops on an exception (Ctrl-C included).
+    """
+
+    def __init__(self, dirpath: str | Path, every_n_train_steps: int | None = None, save_on_exception: bool = True):
+        super().__init__(dirpath=dirpath, filename=self.CHECKPOINT_NAME_LAST, monitor=None, save_top_k=1,
+                         save_last=False, every_n_train_steps=every_n_train_steps,
+                         save_on_exception=save_on_exception, auto_insert_metric_name=False,
+                         enable_version_counter=False)
+
+    @property
+    def path(self) -> str:
+        """The file written last ("" before the first)."""
+        return self.best_model_path
+
+    def _save_latest(self, trainer: L.Trainer) -> None:
+        if not self._should_skip_saving_checkpoint(trainer):  # not yet saved at this step, fitting, no sanity check
+            self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    # At a validation, the best-by-AP callback saves (and updates the state last.ckpt holds) at validation end or,
+    # when each epoch ends in one, at the epoch end that follows: last.ckpt is written at the same hook, after it.
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self._should_save_on_train_epoch_end(trainer):
+            self._save_latest(trainer)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._save_latest(trainer)  # every epoch, validated or not (check_val_every_n_epoch > 1)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._save_latest(trainer)  # training stopped between two events (max_steps mid-epoch)
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Writes a checkpoint to a temporary file in the target folder, fsyncs it and renames it into place,
     so a kill at any moment leaves either the old or the new checkpoint, never a torn one. Loads with
@@ -80,14 +128,22 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def load_checkpoint(path, map_location: Any = "cpu") -> dict[str, Any]:
-    """``torch.load(path, weights_only=True)`` with readable errors."""
+    """``torch.load(path, weights_only=True)`` with one readable line for what cannot be loaded: a missing file, a
+    file that is not a torch checkpoint (empty, truncated, corrupt, another format) or one that holds pickled
+    objects. torch's advice to retry with ``weights_only=False`` is not passed on: that runs the file's code."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: checkpoint not found")
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive
+        raise CheckpointError(f"{path}: not a torch checkpoint ({path.stat().st_size} bytes: empty, truncated, "
+                              "corrupt or another format)")
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # torch raises UnpicklingError / RuntimeError with long texts
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(
-            f"{path}: refused to load: not a plain weights checkpoint (weights_only=True): {first}"
-        ) from None
+    except pickle.UnpicklingError as e:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        what = f" ({found.group(1)})" if found else ""
+        raise CheckpointError(f"{path}: refused to load: it holds pickled Python objects{what}, and checkpoints are "
+                              "loaded as plain tensors and containers only (weights_only=True)") from None
+    except Exception as e:  # a damaged archive: torch raises RuntimeError with long texts
+        first = str(e).strip().split(". ")[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: refused to load: the checkpoint is damaged ({first})") from None

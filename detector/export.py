@@ -184,17 +184,26 @@ def load_program(path: str | Path) -> torch.export.ExportedProgram:
     return torch.export.load(str(path))
 
 
-def export_onnx(program: torch.export.ExportedProgram, out: str | Path, opset: int = 18) -> Path:
-    """The program as an ONNX model (the sbnet ops in standard operators, :mod:`detector.ops.onnx`)."""
+def check_onnx_export(opset: int) -> None:
+    """What an ONNX export needs, checked before any work: an opset the sbnet translations support, and the onnx
+    and onnxscript packages. Raises :class:`ConfigError`."""
     from detector.ops import onnx as sbnet_onnx
 
     if opset < sbnet_onnx.MIN_OPSET:
         raise ConfigError(f"export: ONNX opset {opset} is too old; the sbnet translations need opset >= "
                           f"{sbnet_onnx.MIN_OPSET}")
     try:
+        import onnx  # noqa: F401
         import onnxscript  # noqa: F401
     except ImportError:
         raise ConfigError("export: format=onnx needs onnx and onnxscript (pip install .[export])") from None
+
+
+def export_onnx(program: torch.export.ExportedProgram, out: str | Path, opset: int = 18) -> Path:
+    """The program as an ONNX model (the sbnet ops in standard operators, :mod:`detector.ops.onnx`)."""
+    from detector.ops import onnx as sbnet_onnx
+
+    check_onnx_export(opset)
     onnx_program = torch.onnx.export(program, dynamo=True, custom_translation_table=sbnet_onnx.table(),
                                      opset_version=opset, verbose=False)
     out = Path(out)

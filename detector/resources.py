@@ -29,3 +29,12 @@ def project_dir(name: str) -> Path:
 def config_dir() -> Path:
     """The Hydra config folder (``train.yaml``, ``eval.yaml`` and the groups)."""
     return project_dir("configs")
+
+
+def cache_dir() -> Path:
+    """The user's cache folder for what the package derives and keeps between runs (the plan's cost model, the
+    GT-sampling database outside a config's ``paths.cache_dir``): ``$DETECTOR_CACHE_DIR``, default
+    ``~/.cache/detector``."""
+    import os
+
+    return Path(os.environ.get("DETECTOR_CACHE_DIR", Path.home() / ".cache" / "detector"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -11,11 +12,12 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
+from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from detector.callbacks import AtomicCheckpointIO, load_checkpoint
+from detector.callbacks import AtomicCheckpointIO, LastCheckpoint, load_checkpoint
 from detector.config import check_types
 from detector.data.datamodule import KittiDataModule
 from detector.data.kitti import KittiRoot
@@ -24,6 +26,7 @@ from detector.errors import ConfigError, KittiFormatError, root_cause
 from detector.geometry.voxelize import BevGrid
 from detector.models.detector import BevDetector
 from detector.module import SCOPE, DetectorModule, frame_records
+from detector.outputs import writable_dir
 from detector.resources import config_dir
 
 log = logging.getLogger(__name__)
@@ -68,10 +71,13 @@ def decode_kwargs(model_cfg: DictConfig) -> dict[str, Any]:
 
 
 def ensure_dataset(data_cfg: DictConfig) -> None:
-    """Generate the simulated dataset when it is missing and the data config allows it; warn (one line) when the
-    one there was written by another version of the simulator (:func:`detector.sim.writer.stale_sample`)."""
-    root = Path(data_cfg.root)
-    if (root / "ImageSets" / f"{data_cfg.train_split}.txt").exists():
+    """Generate the simulated sample where ``data.root`` does not exist or is an empty folder (and
+    ``data.generate_if_missing``); never write into a root that holds anything: a split missing there is an error
+    naming the file and the splits there are. Warn (one line) when a simulated root was written by another version
+    of the simulator (:func:`detector.sim.writer.stale_sample`)."""
+    root = Path(data_cfg.root).expanduser()
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        KittiRoot(root).imageset(data_cfg.train_split)  # the split's file must be there: an error names the others
         if (root / "sim.json").is_file():  # a simulated root: the simulator (and open3d, ~2 s) is imported for it only
             from detector.sim.writer import stale_sample
 
@@ -79,13 +85,12 @@ def ensure_dataset(data_cfg: DictConfig) -> None:
                 log.warning(stale)
         return
     if not data_cfg.get("generate_if_missing", False):
-        raise ConfigError(
-            f"data.root={root}: no KITTI-format dataset there (ImageSets/{data_cfg.train_split}.txt missing)"
-        )
+        raise ConfigError(f"data.root={root}: no dataset there (data.generate_if_missing=false)")
     from detector.sim import generate_dataset
 
     log.info("dataset %s not found: generating %d simulated frames", root, data_cfg.generate_frames)
     generate_dataset(root, frames=int(data_cfg.generate_frames), seed=int(data_cfg.get("seed", 0)))
+    KittiRoot(root).imageset(data_cfg.train_split)  # a split the sample does not write (train / val)
 
 
 # Keys of the data config read by ensure_dataset (where the frames come from), not by the data module.
@@ -149,14 +154,16 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     MACs / dense of the training steps' plans and their bound, :meth:`DetectorModule.plan_summary`)."""
     t_start = time.time()
     validate_config(cfg)
-    out_dir = Path(cfg.paths.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = _run_folder(Path(cfg.paths.output_dir))
     print(f"output directory: {out_dir.resolve()}")
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     grid = build_grid(cfg.bev)
     ensure_dataset(cfg.data)
     model = build_model(cfg.model, cfg.mask, grid)
     sparse = bool(cfg.model.sparse)
+    _warn_unused_mask(cfg)
+    if cfg.get("ckpt_path"):
+        check_resume(cfg.ckpt_path, cfg, model)
     bs = cfg.data.batch_size
     if bs == "auto":
         from detector.batch_size import find_batch_size
@@ -171,6 +178,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     print(estimate(model, bs, shares, train=True).describe() + " (detector/memory.py, from shapes)")
     config = OmegaConf.to_container(cfg, resolve=True)
     config["data"]["batch_size"] = bs
+    if choices := _choices():
+        config["choices"] = choices  # the config groups' options, to name them to a resume that differs
     scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
     module = DetectorModule(model, instantiate(cfg.optimizer), scheduler, config=config,
                             decode=decode_kwargs(cfg.model))
@@ -179,13 +188,19 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if not logger:  # nothing to monitor the learning rate into
         callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, plugins=[AtomicCheckpointIO()])
+    _check_train_batches(dm, bs, trainer)
     t_fit = time.time()
     trainer.fit(module, datamodule=dm, ckpt_path=cfg.get("ckpt_path"))
     result: dict[str, Any] = {"output_dir": str(out_dir), "best_ckpt": None, "metrics": None,
-                              "fit_s": time.time() - t_fit, "plan": module.plan_summary()}
-    ckpt_cb = trainer.checkpoint_callback
-    candidates = [getattr(ckpt_cb, "best_model_path", ""), getattr(ckpt_cb, "last_model_path", "")] if ckpt_cb else []
-    best = next((p for p in candidates if p and Path(p).is_file()), "")  # fast_dev_run saves none
+                              "fit_s": time.time() - t_fit, "plan": module.plan_summary(),
+                              "skipped_frames": [fid for fid, _ in dm.dataset("train").skipped]}
+    if result["skipped_frames"]:
+        print(f"skipped {len(result['skipped_frames'])} bad training frame(s) (data.skip_bad_frames; their ids and "
+              "reasons in the warnings above and in run.json)")
+    # the best by the monitored metric, else the latest state (no metric: validation off); fast_dev_run saves none
+    candidates = sorted(trainer.checkpoint_callbacks, key=lambda cb: isinstance(cb, LastCheckpoint))
+    best = next((p for cb in candidates for p in (cb.best_model_path, cb.last_model_path) if p and Path(p).is_file()),
+                "")
     result["best_ckpt"] = best or None
     if cfg.get("evaluate_after") and best and trainer.is_global_zero:
         t_eval = time.time()
@@ -200,6 +215,85 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if trainer.is_global_zero:
         (out_dir / "run.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def _run_folder(out_dir: Path) -> Path:
+    """``paths.output_dir``, writable and not holding another run's checkpoints (two runs in one folder would mix
+    their checkpoints and ``run.json``). A DDP worker Lightning started shares its launcher's folder."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        ckpts = out_dir / "checkpoints"
+        if (out_dir / "run.json").is_file() or (ckpts.is_dir() and any(ckpts.iterdir())):
+            raise ConfigError(f"paths.output_dir={out_dir}: already holds a run (checkpoints/ or run.json): one "
+                              "folder per run; choose a new folder (resume with ckpt_path=.../last.ckpt)")
+    return writable_dir(out_dir, "paths.output_dir")
+
+
+def _warn_unused_mask(cfg: DictConfig) -> None:
+    """One warning when the command line chose a mask for a dense model, which computes every cell."""
+    if cfg.model.sparse or not HydraConfig.initialized():
+        return
+    chosen = [o for o in HydraConfig.get().overrides.task if o.split("=", 1)[0].lstrip("+~") == "mask"]
+    if chosen and chosen[-1].split("=", 1)[-1] not in ("none", "null"):
+        log.warning("%s is not used: model=dense computes every cell (a mask needs model=sparse)", chosen[-1])
+
+
+# The config groups whose settings shape the weights, for naming what differs from a checkpoint's.
+_SHAPING = ("bev", "model", "mask")
+
+
+def check_resume(ckpt_path: str | Path, cfg: DictConfig, model: BevDetector) -> None:
+    """Before fitting: a checkpoint to resume from must hold tensors of this model's shapes. Otherwise one
+    :class:`ConfigError` names the settings it was trained with that differ from this run's (e.g. its ``bev``)."""
+    ckpt = load_checkpoint(ckpt_path)
+    state = {k.removeprefix("model."): v for k, v in ckpt.get("state_dict", {}).items()}
+    own = model.state_dict()
+    bad = sorted(k for k in own.keys() | state.keys()
+                 if k not in state or k not in own or tuple(state[k].shape) != tuple(own[k].shape))
+    if not bad:
+        return
+    saved = (ckpt.get("hyper_parameters") or {}).get("config") or {}
+    then_choices, now_choices = saved.get("choices") or {}, _choices()
+    diffs = [f"{g}={then_choices[g]} (this run: {g}={now_choices[g]})" for g in _SHAPING
+             if g in then_choices and g in now_choices and then_choices[g] != now_choices[g]]
+    for group in _SHAPING:
+        then, now = OmegaConf.select(OmegaConf.create(saved), group), OmegaConf.select(cfg, group)
+        then = OmegaConf.to_container(then, resolve=False) if isinstance(then, DictConfig) else then
+        now = OmegaConf.to_container(now, resolve=True) if isinstance(now, DictConfig) else now
+        diffs += _differences(then, now, group)
+    named = ", ".join(diffs[:6]) + (", ..." if len(diffs) > 6 else "") if diffs else f"tensors {', '.join(bad[:3])}"
+    raise ConfigError(f"ckpt_path={ckpt_path}: its weights do not fit this run's model; it was trained with "
+                      f"{named}: resume with the settings it was trained with")
+
+
+def _choices() -> dict[str, str]:
+    """The option chosen in each config group of this run (``bev: small`` ...), where Hydra composed it."""
+    if not HydraConfig.initialized():
+        return {}
+    return {k: str(v) for k, v in HydraConfig.get().runtime.choices.items() if not k.startswith("hydra")}
+
+
+def _differences(then: Any, now: Any, key: str) -> list[str]:
+    """``key=<checkpoint's value> (this run: <value>)`` for each leaf where the two configs differ."""
+    if isinstance(then, dict) and isinstance(now, dict):
+        return [d for k in sorted(then.keys() | now.keys(), key=str)
+                for d in _differences(then.get(k), now.get(k), f"{key}.{k}")]
+    return [] if then == now else [f"{key}={then} (this run: {now})"]
+
+
+def _check_train_batches(dm: KittiDataModule, batch_size: int, trainer: L.Trainer) -> None:
+    """The training split must give at least one batch per process (training drops a last partial batch): else one
+    :class:`ConfigError` says why (frames, skipped, batch size, processes)."""
+    ds = dm.dataset("train")
+    per_rank = len(ds) // max(trainer.world_size, 1)
+    limit = trainer.limit_train_batches
+    if per_rank // batch_size == 0 or limit == 0:
+        why = ("trainer.limit_train_batches=0" if limit == 0 else
+               f"{len(ds)} usable frame(s) in split '{ds.split}' of {dm.root}"
+               + (f" ({len(ds.skipped)} skipped as bad)" if ds.skipped else "")
+               + f" for data.batch_size={batch_size}"
+               + (f" on {trainer.world_size} processes" if trainer.world_size > 1 else "")
+               + " (a last partial batch is dropped)")
+        raise ConfigError(f"no training batch: {why}")
 
 
 def _flat_hparams(config: dict, prefix: str = "") -> dict[str, Any]:

@@ -26,7 +26,7 @@ from detector.data.augment import (
     elevation_rings,
     tilt_matrix,
 )
-from detector.data.gt_database import GtDatabase
+from detector.data.gt_database import GtDatabase, cache_path
 from detector.data.kitti import KittiRoot, write_imageset, write_points
 from detector.data.kitti_camera import boxes_to_labels
 from detector.data.kitti_labels import read_label, write_label
@@ -509,9 +509,12 @@ def write_root(tmp_path, n_frames: int = 3):
 
 def test_gt_database_build_cache_and_rebuild(tmp_path, monkeypatch):
     ids = write_root(tmp_path)
+    monkeypatch.setenv("DETECTOR_CACHE_DIR", str(tmp_path / "xdg"))  # the default cache folder
+    written = set(tmp_path.rglob("*"))
     db = GtDatabase.load_or_build(tmp_path, "train")
-    path = tmp_path / "gt_database" / "gt_train_Car-Pedestrian-Cyclist.npz"
-    assert path.is_file() and len(db) == 15
+    assert set(tmp_path.rglob("*")) - set((tmp_path / "xdg").rglob("*")) == written | {tmp_path / "xdg"}
+    path = cache_path(tmp_path, "train", ("Car", "Pedestrian", "Cyclist"))
+    assert path.is_file() and path.is_relative_to(tmp_path / "xdg") and len(db) == 15
     # Each object's stored points are the frame's points inside its box.
     f = KittiRoot(tmp_path).read_frame(ids[0])
     k0 = int(np.flatnonzero(db.frame_ids == ids[0])[0])

@@ -113,6 +113,7 @@ def test_training_on_a_stale_sample_warns_in_one_line(tiny_root, tmp_path, caplo
     assert "\n" not in msg and f"{old} was written by an older simulator (version 1;" in msg
     real = tmp_path / "real"  # e.g. real KITTI frames
     (real / "ImageSets").mkdir(parents=True)
+    (real / "training").mkdir()
     (real / "ImageSets" / "train.txt").write_text("000000\n")
     assert warnings(real) == []
 

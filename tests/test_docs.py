@@ -40,13 +40,16 @@ def _rel(p: Path) -> str:
 
 
 def _code_lines(text: str) -> list[str]:
-    """The lines inside fenced code blocks."""
-    out, inside = [], False
+    """The lines inside fenced code blocks, a line continued with a trailing backslash joined to the next."""
+    out, inside, pending = [], False, ""
     for line in text.splitlines():
         if line.lstrip().startswith("```"):
             inside = not inside
         elif inside:
-            out.append(line.strip())
+            line = pending + line.strip()
+            pending = line[:-1] + " " if line.endswith("\\") else ""
+            if not pending:
+                out.append(line)
     return out
 
 

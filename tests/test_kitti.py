@@ -408,7 +408,10 @@ def test_image_size_is_read_and_checked_against_the_calibration(tmp_path):
     kroot = KittiRoot(root)
     assert kroot.read_frame(ids[0]).image_size == (1242, 375)
     assert kroot.read_frame(ids[1]).image_size == (1224, 370)
-    assert kroot.read_frame(ids[3]).image_size is None  # no image: the KITTI default is assumed
+    # a root with images must have each frame's (its size sets the camera's view): frame 3's is missing
+    with pytest.raises(KittiFormatError, match=r"image_2/000003.png: frame 000003 has no image"):
+        kroot.read_frame(ids[3])
+    (img / f"{ids[3]}.png").write_bytes(_png_header(1242, 375))
     (img / f"{ids[2]}.png").write_bytes(_png_header(621, 188))
     mismatch = r"image_2/000002.png: image size 621x188 does not match the calibration .*calib/000002.txt: "
     with pytest.raises(KittiFormatError, match=mismatch + r"P2's principal point \(610.0, 175.0\)"):

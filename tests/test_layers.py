@@ -21,7 +21,8 @@ PACKAGE = ROOT / "detector"
 LAYERS: list[tuple[str, ...]] = [
     # the floor: error types and their one-line report, where the non-Python folders are, key=value
     # arguments, config type checks, the machine's description; they import nothing of ours above them
-    ("detector.errors", "detector.resources", "detector.cli", "detector.config", "detector.machine"),
+    ("detector.errors", "detector.resources", "detector.cli", "detector.config", "detector.machine",
+     "detector.outputs"),
     # the geometry floor: Boxes3D, BevGrid + voxelize, box masks and morphology, exact IoU (torch, NumPy only)
     ("detector.geometry",),
     ("detector.ops",),  # the sparse-block ops (compiled kernels and their reference)

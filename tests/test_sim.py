@@ -16,6 +16,7 @@ import pytest
 from detector.data.kitti import KittiRoot
 from detector.data.kitti_camera import project_to_image
 from detector.data.kitti_labels import IMAGE_SIZE
+from detector.errors import ConfigError
 from detector.geometry.boxes import Boxes3D
 from detector.sim.actors import VEHICLE_STYLES, vehicle_mesh
 from detector.sim.labels import (
@@ -102,7 +103,7 @@ def test_image_sets_and_regeneration(tmp_path):
 
 def test_refuses_foreign_folder_and_bad_arguments(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match=str(tmp_path)):
+    with pytest.raises(ConfigError, match=str(tmp_path)):
         generate_dataset(tmp_path, frames=1, progress=False)
     with pytest.raises(ValueError, match="frames"):
         generate_dataset(tmp_path / "x", frames=0, progress=False)

@@ -438,6 +438,7 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, tiny_root):
     common = [f"data.root={tiny_root}", *with_augmentation, "data.num_workers=1",
               "trainer.max_steps=12", "trainer.max_epochs=-1",
               "callbacks.model_checkpoint.monitor=null", "callbacks.model_checkpoint.every_n_train_steps=1",
+              "callbacks.last_checkpoint.every_n_train_steps=1",
               "evaluate_after=false", "logger=none", "trainer.limit_val_batches=0", "data.batch_size=1"]
     straight = _run_script("scripts/train.py", f"paths.output_dir={tmp_path / 'a'}", *common, timeout=900)
     assert straight.returncode == 0, straight.stderr[-3000:]

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from detector.cli import parse_args
-from detector.errors import USER_ERRORS, one_line
+from detector.errors import USER_ERRORS, CheckpointError, one_line
 
 USAGE = __doc__
 
@@ -34,16 +34,24 @@ def run(args: dict) -> Path:
     from detector.export import (
         DeployNet,
         OnnxRunner,
+        check_onnx_export,
         example_inputs,
         export_onnx,
         export_program,
         freeze_modes,
         mask_source,
     )
+    from detector.outputs import writable_file
     from detector.tasks import load_detector
 
     if args["format"] not in ("torch", "onnx"):
         raise ConfigError(f"format={args['format']!r}: choose torch or onnx")
+    if args["format"] == "onnx":  # before any work or folder: what the export needs
+        check_onnx_export(int(args["opset"]))
+    out = Path(args["out"] or Path(args["ckpt_path"]).with_suffix(".pt2" if args["format"] == "torch" else ".onnx"))
+    if not Path(args["ckpt_path"]).is_file():
+        raise CheckpointError(f"{args['ckpt_path']}: checkpoint not found")
+    writable_file(out, "out")
     model, cfg = load_detector(args["ckpt_path"])
     model.eval()
     source = args["mask"] or mask_source(model, bool(cfg.model.sparse))
@@ -53,8 +61,6 @@ def run(args: dict) -> Path:
             mask = model.mask_net.computation_mask(model.mask_net(bev), bev.shape[-2:])
     modes = None if source == "none" else freeze_modes(model, bev, mask)
     net = DeployNet(model, source, modes)
-    out = Path(args["out"] or Path(args["ckpt_path"]).with_suffix(".pt2" if args["format"] == "torch" else ".onnx"))
-    out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     program = export_program(net, bev, mask)
     if args["format"] == "torch":

@@ -23,10 +23,11 @@ import sys
 from pathlib import Path
 
 from detector.cli import parse_args
-from detector.errors import KittiFormatError
+from detector.errors import ConfigError, KittiFormatError
 from detector.eval.kitti_files import load_eval_inputs
 from detector.eval.kitti_metric import evaluate
 from detector.eval.protocol import DISTANCE_RANGES, EVAL_CLASSES
+from detector.outputs import writable_file
 
 USAGE = __doc__
 
@@ -54,10 +55,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: classes={args['classes']!r}: choose from {', '.join(EVAL_CLASSES)}", file=sys.stderr)
         return 2
     try:
+        if args["out"]:  # checked before the evaluation, not after it
+            writable_file(args["out"], "out")
         inputs = load_eval_inputs(args["gt"], args["results"], args["split"])
         ranges = DISTANCE_RANGES if args["distance"] else None
         result = evaluate(inputs.gt, inputs.dt, classes=classes, distance_ranges=ranges)
-    except (KittiFormatError, ValueError) as e:
+    except (KittiFormatError, ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if inputs.missing_results:
@@ -75,7 +78,6 @@ def main(argv: list[str] | None = None) -> int:
     print(result.table())
     if args["out"]:
         out = Path(args["out"])
-        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result.to_json(), indent=2) + "\n")
         print(f"wrote {out}")
     return 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 
 from detector.cli import parse_args
+from detector.errors import ConfigError, one_line
 from detector.sim import LidarSpec, generate_dataset
 
 USAGE = __doc__
@@ -45,8 +46,8 @@ def main(argv=None) -> int:
             spec=LidarSpec(columns=args["columns"]),
             progress=args["progress"],
         )
-    except (FileExistsError, NotADirectoryError) as e:
-        print(f"error: out={args['out']}: {e}", file=sys.stderr)
+    except ConfigError as e:
+        print(one_line(e), file=sys.stderr)
         return 1
     print(f"wrote {summary.root}")
     print(summary.table())

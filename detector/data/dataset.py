@@ -72,16 +72,17 @@ class KittiDataset(torch.utils.data.Dataset):
             )
         self.ids = [i for i in ids if self._check(i)]
         if self.skipped:
-            log.warning(
-                "%s/%s: skipped %d bad frames (first: %s: %s)", root, split, len(self.skipped), *self.skipped[0]
-            )
+            log.warning("%s/%s: skipped %d bad frame(s): %s (first: %s)", root, split, len(self.skipped),
+                        ", ".join(fid for fid, _ in self.skipped[:20]) + (", ..." if len(self.skipped) > 20 else ""),
+                        self.skipped[0][1])
         if not self.ids:
             raise KittiFormatError(self.root.root / "ImageSets" / f"{split}.txt", "no usable frames in this split")
 
     def _bad(self, frame_id: str, err: KittiFormatError) -> bool:
         if not self.skip_bad_frames:
             raise err
-        self.skipped.append((frame_id, str(err)))
+        if all(fid != frame_id for fid, _ in self.skipped):
+            self.skipped.append((frame_id, str(err)))
         return False
 
     def _check(self, frame_id: str) -> bool:
@@ -119,8 +120,10 @@ class KittiDataset(torch.utils.data.Dataset):
             try:
                 frame = self._load(frame_id)
             except KittiFormatError as e:
+                new = all(fid != frame_id for fid, _ in self.skipped)
                 self._bad(frame_id, e)
-                log.warning("skipping bad frame %s", e)
+                if new:  # told once, not at every epoch
+                    log.warning("skipping bad frame %s", e)
                 continue
             if self.transform is not None:
                 rng = np.random.default_rng([self.seed, self.epoch, index])

@@ -1,16 +1,18 @@
 """Ground-truth database for GT sampling: every labeled object of chosen classes of a KITTI-format
 training split, with the points inside its box.
 
-Stored as one ``.npz`` of plain arrays (no pickle: read with ``allow_pickle=False``), in the dataset's
-``gt_database/`` folder or a given cache dir, and rebuilt when its source changes: the file records a
-fingerprint of the builder version, the classes, the frame ids and the size and mtime of every
+Stored as one ``.npz`` of plain arrays (no pickle: read with ``allow_pickle=False``) in a cache folder outside the
+dataset (a dataset is read-only to training), one subfolder per dataset root, and rebuilt when its source changes:
+the file records a fingerprint of the builder version, the classes, the frame ids and the size and mtime of every
 velodyne/label/calib file it read.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +22,11 @@ import torch
 
 from detector.data.kitti import KittiRoot
 from detector.data.kitti_labels import difficulty as label_difficulty
+from detector.errors import KittiFormatError
 from detector.geometry.boxes import points_in_boxes_sparse
+from detector.resources import cache_dir as user_cache_dir
+
+log = logging.getLogger(__name__)
 
 _VERSION = "gtdb-2"  # 2: difficulty by the metric's rule (height > the minimum, not >=)
 DEFAULT_CLASSES = ("Car", "Pedestrian", "Cyclist")
@@ -53,13 +59,21 @@ class GtDatabase:
     # --- building ---------------------------------------------------------------------------------
     @classmethod
     def build(cls, root: KittiRoot, frame_ids: Sequence[str], classes: Sequence[str] = DEFAULT_CLASSES,
-              fingerprint: str = "") -> GtDatabase:
-        """Read every frame (labels required) and collect its objects of ``classes``."""
+              fingerprint: str = "", skip_bad_frames: bool = False) -> GtDatabase:
+        """Read every frame (labels required) and collect its objects of ``classes``. A bad frame raises its
+        :class:`KittiFormatError`, or with ``skip_bad_frames`` is left out (one warning lists them)."""
         if not root.has_labels():
-            raise ValueError(f"{root.dir}: no label_2 folder: a GT database needs a labeled split")
+            raise KittiFormatError(root.dir / "label_2", "no label_2 folder: a GT database needs a labeled split")
         boxes, names, diff, fids, pts, counts = [], [], [], [], [], []
+        skipped: list[tuple[str, str]] = []
         for fid in frame_ids:
-            f = root.read_frame(fid)
+            try:
+                f = root.read_frame(fid)
+            except KittiFormatError as e:
+                if not skip_bad_frames:
+                    raise
+                skipped.append((fid, str(e)))
+                continue
             obj = f.labels.name != "DontCare"
             labels = f.labels.select(obj)
             keep = np.isin(f.gt_names, np.asarray(classes))
@@ -73,6 +87,10 @@ class GtDatabase:
             names.append(f.gt_names[keep])
             diff.append(label_difficulty(labels)[keep])  # the metric's rule (kitti_labels.difficulty)
             fids.append(np.full(int(keep.sum()), fid, dtype="<U16"))
+        if skipped:
+            log.warning("GT database of %s: left out %d bad frame(s): %s (first: %s)", root.root, len(skipped),
+                        ", ".join(fid for fid, _ in skipped[:20]) + (", ..." if len(skipped) > 20 else ""),
+                        skipped[0][1])
         offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
         return cls(
             boxes=np.concatenate(boxes) if boxes else np.zeros((0, 7), np.float32),
@@ -88,11 +106,16 @@ class GtDatabase:
     def save(self, path: str | Path) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp.npz")
-        np.savez(tmp, boxes=self.boxes, names=self.names, difficulty=self.difficulty,
-                 frame_ids=self.frame_ids, points=self.points, offsets=self.offsets,
-                 fingerprint=np.asarray(self.fingerprint))
-        os.replace(tmp, path)  # atomic: a concurrent reader never sees half a file
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, boxes=self.boxes, names=self.names, difficulty=self.difficulty,
+                         frame_ids=self.frame_ids, points=self.points, offsets=self.offsets,
+                         fingerprint=np.asarray(self.fingerprint))
+            os.replace(tmp, path)  # atomic: a concurrent reader (or writer) never sees half a file
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     @classmethod
     def load(cls, path: str | Path) -> GtDatabase:
@@ -119,16 +142,17 @@ class GtDatabase:
         classes: Sequence[str] = DEFAULT_CLASSES,
         cache_dir: str | Path | None = None,
         frame_ids: Sequence[str] | None = None,
+        skip_bad_frames: bool = False,
     ) -> GtDatabase:
         """The database of ``ImageSets/{split}.txt`` (or the given ``frame_ids``), from the cache file
-        ``{cache_dir or root/gt_database}/gt_{split}_{classes}.npz`` when its fingerprint matches the
-        source, else built and saved there."""
+        ``{cache_dir}/<root name>-<hash of its path>/gt_{split}_{classes}.npz`` when its fingerprint matches the
+        source, else built (``skip_bad_frames``: bad frames left out, :meth:`build`) and saved there. Nothing is
+        written into ``root``. ``cache_dir`` None: ``gt_database/`` in :func:`detector.resources.cache_dir`."""
         kroot = KittiRoot(root)
         ids = list(frame_ids) if frame_ids is not None else kroot.imageset(split)
         classes = tuple(str(c) for c in classes)
         fp = source_fingerprint(kroot, ids, classes)
-        cache = Path(cache_dir) if cache_dir is not None else kroot.root / "gt_database"
-        path = cache / f"gt_{split}_{'-'.join(classes)}.npz"
+        path = cache_path(kroot.root, split, classes, cache_dir)
         if path.is_file():
             try:
                 db = cls.load(path)
@@ -136,9 +160,18 @@ class GtDatabase:
                     return db
             except ValueError:
                 pass  # unreadable cache: rebuild
-        db = cls.build(kroot, ids, classes, fingerprint=fp)
+        db = cls.build(kroot, ids, classes, fingerprint=fp, skip_bad_frames=skip_bad_frames)
         db.save(path)
         return db
+
+
+def cache_path(root: str | Path, split: str, classes: Sequence[str], cache_dir: str | Path | None = None) -> Path:
+    """Where :meth:`GtDatabase.load_or_build` keeps the database of ``root``'s ``split``: a subfolder per root (its
+    name and a hash of its absolute path, so two roots of one name do not share a file)."""
+    root = Path(root).expanduser().resolve()
+    key = hashlib.sha256(str(root).encode()).hexdigest()[:12]
+    base = Path(cache_dir).expanduser() if cache_dir is not None else user_cache_dir() / "gt_database"
+    return base / f"{root.name}-{key}" / f"gt_{split}_{'-'.join(classes)}.npz"
 
 
 def source_fingerprint(root: KittiRoot, frame_ids: Sequence[str], classes: Sequence[str]) -> str:

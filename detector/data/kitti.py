@@ -111,8 +111,17 @@ class KittiRoot:
             raise KittiFormatError(self.dir, f"no '{split_dir}' folder in the dataset root")
 
     def imageset(self, name: str) -> list[str]:
-        """Frame ids of ``ImageSets/{name}.txt``."""
-        return read_imageset(self.root / "ImageSets" / f"{name}.txt")
+        """Frame ids of ``ImageSets/{name}.txt``; a missing file is an error naming the splits there are."""
+        path = self.root / "ImageSets" / f"{name}.txt"
+        if not path.is_file():
+            there = self.splits()
+            raise KittiFormatError(path, f"split '{name}' not found: " + (
+                f"the splits here are {', '.join(there)}" if there else "this root has no ImageSets/*.txt"))
+        return read_imageset(path)
+
+    def splits(self) -> list[str]:
+        """Names of the root's image sets (``ImageSets/<name>.txt``), sorted."""
+        return sorted(p.stem for p in (self.root / "ImageSets").glob("*.txt"))
 
     def path(self, kind: str, frame_id: str) -> Path:
         ext = {"velodyne": "bin", "road_map": "png", "image_2": "png"}.get(kind, "txt")
@@ -125,10 +134,15 @@ class KittiRoot:
         return (self.dir / "road_map" / "grid.json").is_file()
 
     def image_size(self, frame_id: str, calib: Calibration) -> tuple[int, int] | None:
-        """(width, height) of the frame's left colour image, checked against its calibration; None where
-        the root has no such image (our simulator writes none; images are optional)."""
+        """(width, height) of the frame's left colour image, checked against its calibration; None where the root
+        has no ``image_2`` folder (our simulator writes none; images are optional). A root with images must have
+        each frame's: its size sets the camera's view (the points kept) and clips the 2D boxes."""
         path = self.path("image_2", frame_id)
         if not path.is_file():
+            if path.parent.is_dir():
+                raise KittiFormatError(path, f"frame {frame_id} has no image, and this root has an image_2 folder "
+                                             "(its size sets the camera's view): add the image or drop the frame "
+                                             "from ImageSets")
             return None
         size = read_png_size(path)
         check_image_matches_calib(size, calib, path, self.path("calib", frame_id))

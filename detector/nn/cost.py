@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from detector.machine import cpu_model
+from detector.resources import cache_dir
 
 __all__ = ["CostModel", "dense_macs", "sparse_macs", "calibrate", "load_or_calibrate", "cost_key", "default_cost_file",
            "machine_busy", "CALIBRATION_SHAPES"]
@@ -286,8 +287,7 @@ def cost_key(device: str | torch.device, dtype: torch.dtype) -> dict:
 
 def default_cost_file(device: str | torch.device, dtype: torch.dtype) -> Path:
     """``$DETECTOR_CACHE_DIR`` (default ``~/.cache/detector``) ``/plan_cost_<device>_<dtype>.json``."""
-    root = Path(os.environ.get("DETECTOR_CACHE_DIR", Path.home() / ".cache" / "detector"))
-    return root / f"plan_cost_{torch.device(device).type}_{str(dtype).removeprefix('torch.')}.json"
+    return cache_dir() / f"plan_cost_{torch.device(device).type}_{str(dtype).removeprefix('torch.')}.json"
 
 
 def machine_busy(device: str | torch.device) -> str | None:

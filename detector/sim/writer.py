@@ -18,6 +18,7 @@ from detector.data.kitti import write_imageset, write_points
 from detector.data.kitti_calib import Calibration
 from detector.data.kitti_labels import write_label
 from detector.data.road_map import RoadMap, write_road_map
+from detector.errors import ConfigError
 from detector.sim.labels import FrameLabels, label_frame
 from detector.sim.scene import Scene, generate_scene
 from detector.sim.sensor import LidarSpec, Scan, make_calibration, scan
@@ -185,10 +186,10 @@ _FRAME_FILE = re.compile(r"^\d{6}\.(bin|txt|png)$")
 def _prepare_root(root: Path, frames: int) -> None:
     marker = root / "sim.json"
     if root.exists() and not root.is_dir():
-        raise NotADirectoryError(f"{root}: exists and is not a directory")
+        raise ConfigError(f"{root}: exists and is not a directory; choose another out=DIR")
     if root.exists() and any(root.iterdir()) and not marker.is_file():
-        raise FileExistsError(
-            f"{root}: directory is not empty and was not written by the simulator (no sim.json); "
+        raise ConfigError(
+            f"{root}: folder is not empty and was not written by the simulator (no sim.json): it is left as it is; "
             "choose another out=DIR"
         )
     for sub in FRAME_DIRS:
