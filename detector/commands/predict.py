@@ -247,7 +247,7 @@ def predict(args: dict[str, Any]) -> dict[str, Any]:
     device = None if args["device"] == "auto" else args["device"]
     if device is not None and device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"device={device}: no CUDA device here (torch {torch.__version__}): device=cpu or auto")
-    predictor, cfg = Predictor.from_checkpoint(args["ckpt_path"], args["mask"], device)
+    predictor, _ = Predictor.from_checkpoint(args["ckpt_path"], args["mask"], device)
     if isinstance(predictor.mask_provider, RoadMapMask):
         raise ConfigError(f"mask: {args['ckpt_path']} runs with mask=road_map, which needs the simulator's road maps; "
                           "a point cloud has none: give mask=ground, mask=none or (if it trained a mask net) "
