@@ -248,10 +248,11 @@ def test_bad_input_to_the_command_is_one_line_naming_the_file(predicted_ckpt, tm
         ([f"ckpt_path={tmp_path / 'none.ckpt'}", f"input={good}"], tmp_path / "none.ckpt", "checkpoint not found"),
         ([ckpt, f"input={good}", f"calib={tmp_path / 'calib'}"], tmp_path / "calib", "calibration not found"),
         ([ckpt, f"input={good}", "mask=road_map"], predicted_ckpt, "a point cloud has none"),
+        ([ckpt, f"input={good}", f"out={tmp_path / 't.bin' / 'out'}"], tmp_path / "t.bin", "cannot write there"),
     ]
     for i, (argv, named, message) in enumerate(cases):
         out = tmp_path / f"out{i}"
-        rc, _, err = _run(capsys, *argv, f"out={out}")
+        rc, _, err = _run(capsys, f"out={out}", *argv)  # a later out= replaces the first
         assert rc == 1, (argv, err)
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and str(named) in lines[0], (argv, err)
