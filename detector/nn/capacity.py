@@ -1,0 +1,243 @@
+"""The sparse network on block lists of a bounded capacity: inference without a host sync inside a stage.
+
+The exact path (:meth:`SparseConvChain.forward_sparse`) sizes everything by ``K``, the active blocks, which on a
+GPU is read by the host (``reduce_mask``'s ``nonzero``, the level masks' spans and counts): a sync per stage
+and a new shape per batch. Here each stage takes a :class:`~detector.ops.capacity.BlockList` of a fixed
+capacity (a bucket) and the ops honour its padding rows, so a stage makes no data-dependent host call and its
+shapes repeat (a captured graph per bucket, :mod:`detector.nn.graphs`):
+
+    caps = plan_capacities(net, x, mask, modes)          # THE host read of the batch: every stage's count
+    feats, overflow, counts = forward_capacity(net, x, mask, modes, caps)   # none inside
+    feats = run_checked(net, x, mask, modes, caps)       # + one read of the overflow flag; reruns if set
+
+Per unit: :func:`chain_capacity` runs the chain with the fused ops (:mod:`detector.ops.fused`: the gather fused
+into the first convolution, batch norm folded, the residual and the scatter fused into the last one; on the CPU
+their composition of the compiled kernels and oneDNN's convolutions). Values on active tiles equal the exact
+path's (and so the dense twin's); inactive tiles are the input (identity units) or zero.
+
+Inference only: batch norm must use running statistics (eval mode); a training-mode chain raises.
+
+Capacity overflow (a list shorter than the active blocks, e.g. a graph captured for a smaller bucket) is never
+silent: every list's ``overflow`` flag is OR-ed on the device into the returned flag, and :func:`run_checked`
+reruns such a batch at the buckets of its true counts (or dense where a stage's count fills its grid), with a
+warning in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from detector.ops.capacity import BlockList, bucket_for, reduce_mask_capacity
+from detector.ops.fused import conv_blocks, conv_scatter
+
+from .chain import SparseConvChain, zeros_in_layout
+from .norm import running_scale_shift, uses_batch_stats
+from .plan import DENSE
+
+__all__ = ["chain_capacity", "stage_capacity", "plan_capacities", "forward_capacity", "run_checked",
+           "StageCapacity"]
+
+log = logging.getLogger(__name__)
+
+StageCapacity = tuple[int, int]  # (capacity of the first unit's list, of the other units' list)
+
+
+def _folded(chain: SparseConvChain, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Weight and bias of conv ``i`` with the BN on its output folded in (none on a pre-activation unit's last)."""
+    w = chain.convs[i].weight
+    j = i + 1 if chain.preact else i
+    if j >= len(chain.bns):
+        return w, None
+    s, t = running_scale_shift(chain.bns[j])
+    return w * s.view(-1, 1, 1, 1), t
+
+
+def chain_capacity(chain: SparseConvChain, x: torch.Tensor, blist: BlockList, inplace: bool = False,
+                   tile: int | None = None) -> torch.Tensor:
+    """The chain on ``blist`` (module docstring) with output tiles of ``tile`` (None: the chain's block size);
+    ``inplace``: an identity unit writes into ``x`` itself."""
+    if any(uses_batch_stats(bn) for bn in chain.slots):
+        raise ValueError(f"{chain.name}: the capacity path is for inference (batch norm in eval mode)")
+    geo = chain.geometry(int(x.shape[2]), int(x.shape[3]), tile)
+    if blist.block != geo.block:
+        raise ValueError(f"{chain.name}: the block list was made for another geometry ({blist.block}); "
+                         f"this unit needs {geo.block}")
+    lv, specs, L, S = geo.levels, chain.specs, len(chain.convs), chain.stride
+    T = geo.tile
+    origin0 = (lv[0].region, lv[0].offset)
+    pre = running_scale_shift(chain.bns[0]) if chain.preact else None
+    a = x
+    for i in range(L - 1):
+        w, b = _folded(chain, i)
+        a = conv_blocks(a, blist, w, b, stride=specs[i].stride, origin=origin0 if i == 0 else None,
+                        extent=lv[0].extent if i == 0 else None, pre=pre if i == 0 else None, relu=True,
+                        zero=(lv[i + 1].region, lv[i + 1].offset, lv[i + 1].map_size))
+    if L == 1:  # the source blocks themselves (a 1-conv chain: no fused first convolution to gather them)
+        c = a.shape[1]
+        eye = torch.eye(c, dtype=a.dtype, device=a.device).view(c, c, 1, 1)
+        a = conv_blocks(a, blist, eye, None, origin=origin0, extent=lv[0].extent, pre=pre,
+                        zero=None if pre is None else (lv[0].region, lv[0].offset, lv[0].map_size))
+    w, b = _folded(chain, L - 1)
+    post = not chain.preact
+    N, (Ho, Wo) = x.shape[0], geo.block.out_size
+    if chain.shortcut == "identity":
+        base = x if inplace else x.clone(memory_format=_format(x))
+        return conv_scatter(a, blist, w, b, base, tile=T, residual="map", relu=post)
+    residual = None
+    if chain.shortcut == "projection":
+        pw, pb = chain.proj.weight, None
+        if chain.proj_bn is not None:
+            s, t = running_scale_shift(chain.proj_bn)
+            pw, pb = pw * s.view(-1, 1, 1, 1), t
+        residual = conv_blocks(x, blist, pw, pb, stride=S, origin=((T[0] * S, T[1] * S), (0, 0)),
+                               extent=((T[0] - 1) * S + 1, (T[1] - 1) * S + 1), pre=pre)
+    base = zeros_in_layout(x, (N, chain.out_channels, Ho, Wo))
+    return conv_scatter(a, blist, w, b, base, tile=T, residual=residual, relu=post)
+
+
+def _format(x: torch.Tensor) -> torch.memory_format:
+    nhwc = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    return torch.channels_last if nhwc else torch.contiguous_format
+
+
+def _downsample(mask: torch.Tensor) -> torch.Tensor:
+    return F.max_pool2d(mask, kernel_size=2, stride=2, ceil_mode=True)
+
+
+def stage_capacity(stage: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor, tile: int, caps: StageCapacity
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """One stage sparse at ``tile`` on lists of capacities ``caps``: (output, mask at the output resolution,
+    overflow flag, the lists' true counts), all without a host read."""
+    units, tile = list(stage.units), int(tile)
+    first = units[0]
+    bl = reduce_mask_capacity(mask, first.geometry(int(x.shape[2]), int(x.shape[3]), tile).block, int(caps[0]),
+                              first.tol, first.avgpool)
+    x_in = x
+    x = chain_capacity(first, x, bl, inplace=False, tile=tile)
+    overflow, counts = bl.overflow, [bl.count]
+    if first.stride == 2:
+        mask = _downsample(mask)
+    if len(units) > 1:
+        u1 = units[1]
+        br = reduce_mask_capacity(mask, u1.geometry(int(x.shape[2]), int(x.shape[3]), tile).block, int(caps[1]),
+                                  u1.tol, u1.avgpool)
+        for u in units[1:]:  # in place into the stage's own intermediates only
+            x = chain_capacity(u, x, br, inplace=x is not x_in, tile=tile)
+        overflow, counts = overflow | br.overflow, counts + [br.count]
+    return x, mask, overflow, counts
+
+
+def _check_modes(net: torch.nn.Module, modes: Sequence[int | str]) -> list[int | str]:
+    modes = list(modes)
+    if len(modes) != len(net.stages) or any(m != DENSE and (isinstance(m, bool) or not isinstance(m, int))
+                                            for m in modes):
+        raise ValueError(f"capacity path: modes must be a tile or 'dense' per stage ({len(net.stages)}), got {modes}")
+    return modes
+
+
+def forward_capacity(net: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor, modes: Sequence[int | str],
+                     caps: Sequence[StageCapacity | None]) -> tuple[list[torch.Tensor], torch.Tensor, list]:
+    """The backbone (a :class:`~detector.nn.resnet.SparseResNet`) with ``modes[i]`` (a tile, or 'dense') and the
+    list capacities ``caps[i]`` per stage: (the stages' features, the device-side overflow flag, each stage's
+    true counts as device tensors). No host read; compiles with ``fullgraph=True``."""
+    modes = _check_modes(net, modes)
+    mask = mask.to(x.dtype)
+    if net.channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    overflow = torch.zeros((), dtype=torch.bool, device=x.device)
+    feats, counts = [], []
+    for i, stage in enumerate(net.stages):
+        if modes[i] == DENSE:
+            x, mask = stage(x, mask, dense=True)
+            counts.append([])
+        else:
+            x, mask, ovf, cnt = stage_capacity(stage, x, mask, int(modes[i]), caps[i])
+            overflow = overflow | ovf
+            counts.append(cnt)
+        if i > 0:
+            feats.append(x)
+    return feats, overflow, counts
+
+
+def _grid_blocks(unit: SparseConvChain, N: int, H: int, W: int, tile: int) -> int:
+    return N * unit.geometry(H, W, tile).block.num_blocks
+
+
+def _settings(net: torch.nn.Module, modes: Sequence[int | str] | None) -> list[int | str]:
+    return list(net.block_sizes if modes is None else modes)
+
+
+def plan_capacities(net: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor,
+                    modes: Sequence[int | str] | None = None, smallest: int = 8
+                    ) -> tuple[list[int | str], list[StageCapacity | None]]:
+    """Each stage's mode (the plan's choice for 'auto' settings) and the smallest buckets that hold its active
+    blocks, from ONE host read of all the counts (the plan's: :meth:`SparseResNet.plan_inputs`, settled)."""
+    from .plan import measure, settle
+
+    settings = _settings(net, modes)
+    mask = mask.to(x.dtype)
+    if "auto" in settings:
+        inputs = net.plan_inputs(tuple(x.shape), mask, settings)
+    else:  # fixed tiles: their counts only (no cost model needed)
+        inputs, (H, W), m = [], x.shape[-2:], mask
+        for name, stage, setting in zip(net.stage_names, net.stages, settings, strict=True):
+            units = list(stage.units)
+            rest = _downsample(m) if units[0].stride == 2 else m
+            inputs.append(measure(name, setting, units, (x.shape[0], H, W), m, rest, net.planner.candidates))
+            (H, W), m = inputs[-1].rest_hw, rest
+    inputs = settle(inputs)  # the one transfer
+    if "auto" in settings:
+        chosen = list(net.planner.decide(inputs, x.device, x.dtype, False).choices)
+    else:
+        chosen = settings
+    caps: list[StageCapacity | None] = []
+    N = int(x.shape[0])
+    for inp, mode in zip(inputs, chosen, strict=True):
+        if mode == DENSE:
+            caps.append(None)
+            continue
+        _, k1, kr = next(c for c in inp.counts if c[0] == mode)
+        (_, H, W), (Hr, Wr) = inp.shape, inp.rest_hw
+        units = inp.units
+        t1 = _grid_blocks(units[0], N, H, W, int(mode))
+        tr = _grid_blocks(units[1], N, Hr, Wr, int(mode)) if len(units) > 1 else 1
+        caps.append((bucket_for(int(k1), t1, smallest), bucket_for(int(kr), tr, smallest) if len(units) > 1 else 0))
+    return list(chosen), caps
+
+
+def run_checked(net: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor, modes: Sequence[int | str],
+                caps: Sequence[StageCapacity | None], forward=None, smallest: int = 8) -> list[torch.Tensor]:  # noqa: ANN001
+    """:func:`forward_capacity` (or ``forward``, e.g. a captured graph's replay, with the same signature), then
+    ONE host read of its overflow flag; if set, the batch reruns at the buckets of its true counts - the
+    first unit's and the others' list of every stage - and a stage whose count fills its grid runs dense.
+    Logged as a warning; never a dropped block."""
+    run = forward or (lambda *a: forward_capacity(net, *a))
+    feats, overflow, counts = run(x, mask, modes, caps)
+    if not bool(overflow):
+        return feats
+    got = [[int(c) for c in cs] for cs in counts]
+    new_modes, new_caps = list(modes), list(caps)
+    N, (H, W) = int(x.shape[0]), x.shape[-2:]
+    H, W = int(H), int(W)
+    for i, stage in enumerate(net.stages):
+        units = list(stage.units)
+        out_hw = units[0].geometry(H, W, 16).levels[-1].map_size
+        if new_modes[i] != DENSE:
+            tile = int(new_modes[i])
+            t1 = _grid_blocks(units[0], N, H, W, tile)
+            tr = _grid_blocks(units[1], N, *out_hw, tile) if len(units) > 1 else 1
+            k1, kr = got[i][0], (got[i][1] if len(got[i]) > 1 else 0)
+            if k1 > caps[i][0] or (len(units) > 1 and kr > caps[i][1]):
+                if k1 >= t1 and (len(units) == 1 or kr >= tr):
+                    new_modes[i], new_caps[i] = DENSE, None
+                else:
+                    new_caps[i] = (bucket_for(k1, t1, smallest), bucket_for(kr, tr, smallest) if len(units) > 1 else 0)
+        H, W = out_hw
+    log.warning("capacity overflow: more active blocks than the list's capacity (counts %s, capacities %s); "
+                "rerun at modes %s, capacities %s", got, list(caps), new_modes, new_caps)
+    feats, overflow, _ = forward_capacity(net, x, mask, new_modes, new_caps)
+    return feats

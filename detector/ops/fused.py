@@ -1,0 +1,185 @@
+"""The fused sparse-block convolution: gather + convolution + folded batch norm + ReLU, and the last
+convolution + residual + ReLU + scatter, on a :class:`~detector.ops.capacity.BlockList` (no host sync).
+
+    a  = conv_blocks(x, blist, w0, b0, stride=s, origin=((R, R), (P, P)), extent=e0, relu=True, zero=level1)
+    a  = conv_blocks(a, blist, w1, b1, stride=1, relu=True, zero=level2)          # blocks in, blocks out
+    y  = conv_scatter(a, blist, w2, b2, out=x, tile=T, residual="map", relu=True)  # written into x's tiles
+
+Semantics, per row ``k`` of the list with ``k < count`` (padding rows: blocks out unspecified, the map
+untouched):
+
+    conv_blocks:  src_k = x[n, :, by*R_h - P_h : ... + e_h, bx*R_w - P_w : ... + e_w]   (0 outside the map)
+                          (or the source blocks[k] when ``origin`` is None)
+                  src_k = relu(src_k * pre_s + pre_t), 0 outside the map               (``pre`` given)
+                  out[k] = conv2d(src_k, weight, bias, stride)   (VALID)
+                  out[k] = relu(out[k]) (``relu``); pixels outside ``zero``'s map = 0  (``zero`` given)
+    conv_scatter: t = conv2d(blocks[k], weight, bias) (+ out's tile (``residual="map"``) or residual[k]);
+                  out[n, :, by*T_h : ... + T_h, bx*T_w : ... + T_w] = relu?(t)      (clipped to the map)
+
+One op, two paths by device: on CUDA with triton, the kernel of :mod:`detector.ops.triton_blocks` (one launch
+each, the gather and the scatter fused in; padding rows skipped by the device-side count); elsewhere (the CPU:
+its oneDNN convolutions and the compiled gather/scatter kernels stay the CPU path) the composition of
+``sparse_gather``, ``F.conv2d`` and :func:`~detector.ops.capacity.scatter_padded`. Backward: the composition's
+autograd; the triton forward's backward recomputes the composition (no fused backward kernel is written).
+``DETECTOR_FUSED=triton`` forces the kernel on any device (with ``TRITON_INTERPRET=1``: on the CPU, the tests),
+``DETECTOR_FUSED=torch`` the composition.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from . import triton_blocks
+from .capacity import BlockList, level_valid, scatter_padded
+from .formulas import memory_format_of
+from .functional import _kernels_for
+
+__all__ = ["conv_blocks", "conv_scatter", "fused_backend"]
+
+Origin = tuple[tuple[int, int], tuple[int, int]]
+Zero = tuple[tuple[int, int], tuple[int, int], tuple[int, int]]
+
+
+def fused_backend(device: torch.device) -> str:
+    """'triton' (CUDA with triton, or forced by ``DETECTOR_FUSED=triton``) or 'torch' (the composition)."""
+    forced = os.environ.get("DETECTOR_FUSED", "")
+    if forced in ("triton", "torch"):
+        return forced if forced == "torch" or triton_blocks.available() else "torch"
+    return "triton" if torch.device(device).type == "cuda" and triton_blocks.available() else "torch"
+
+
+def _gather(x: torch.Tensor, indices: torch.Tensor, extent: tuple[int, int], origin: Origin) -> torch.Tensor:
+    (mh, mw), (fh, fw) = origin
+    if _kernels_for(x.device):
+        return torch.ops.sbnet.sparse_gather(x, indices, list(extent), [mh, mw], [-fh, -fw])
+    from dataclasses import replace
+
+    from . import reference
+    from .blocks import calc_block_params
+
+    bp = replace(calc_block_params(int(x.shape[2]), int(x.shape[3]), bsize=extent, ksize=1, stride=1, padding=0),
+                 bstride_h=mh, bstride_w=mw, boffset_h=-fh, boffset_w=-fw)
+    return reference.sparse_gather(x, indices, bp)
+
+
+def _conv_blocks_torch(src, blist, weight, bias, stride, origin, extent, pre, relu, zero):  # noqa: ANN001, ANN202
+    idx = blist.indices
+    if origin is not None:
+        a = _gather(src.contiguous(memory_format=memory_format_of(src) or torch.contiguous_format), idx, extent,
+                    origin)
+        if pre is not None:
+            a = torch.relu(a * pre[0].view(1, -1, 1, 1).to(a.dtype) + pre[1].view(1, -1, 1, 1).to(a.dtype))
+            inside = level_valid(idx, origin[0], origin[1], extent, (int(src.shape[2]), int(src.shape[3])))
+            a = a * inside.to(a.dtype)
+    else:
+        a = src
+    y = F.conv2d(a, weight.to(a.dtype), None if bias is None else bias.to(a.dtype), stride)
+    if relu:
+        y = torch.relu(y)
+    if zero is not None:
+        y = y * level_valid(idx, zero[0], zero[1], (int(y.shape[2]), int(y.shape[3])), zero[2]).to(y.dtype)
+    return y
+
+
+def _conv_scatter_torch(blocks, blist, weight, bias, out, tile, residual, relu, inplace):  # noqa: ANN001, ANN202
+    t = F.conv2d(blocks, weight.to(blocks.dtype), None if bias is None else bias.to(blocks.dtype))
+    if tuple(t.shape[2:]) != tuple(tile):
+        raise ValueError(f"conv_scatter: the convolution gives {tuple(t.shape[2:])} tiles, expected {tuple(tile)}")
+    if isinstance(residual, torch.Tensor):
+        t = t + residual
+    return scatter_padded(t, blist, out, add=_is_map(residual), relu=relu, inplace=inplace)
+
+
+def _is_map(residual: object) -> bool:
+    return isinstance(residual, str) and residual == "map"
+
+
+class _ViaComposition(torch.autograd.Function):
+    """Forward by the kernel, backward by the composition's autograd (recomputed)."""
+
+    @staticmethod
+    def forward(ctx, fast, slow, *tensors):  # noqa: ANN001, ANN205
+        ctx.slow = slow
+        ctx.save_for_backward(*tensors)
+        return fast(*tensors)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        inputs = [t.detach().requires_grad_(need) if t is not None and need else t
+                  for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad[2:], strict=True)]
+        wanted = [t for t, need in zip(inputs, ctx.needs_input_grad[2:], strict=True) if need]
+        with torch.enable_grad():
+            out = ctx.slow(*inputs)
+        grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
+        return (None, None, *(next(grads) if need else None for need in ctx.needs_input_grad[2:]))
+
+
+def _grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def conv_blocks(src: torch.Tensor, blist: BlockList, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                stride: int = 1, origin: Origin | None = None, extent: tuple[int, int] | None = None,
+                pre: tuple[torch.Tensor, torch.Tensor] | None = None, relu: bool = False,
+                zero: Zero | None = None) -> torch.Tensor:
+    """Blocks ``[capacity, CO, OH, OW]`` (module docstring): from the map ``src`` at the list's windows
+    (``origin`` and ``extent`` given; the gather fused in) or from the blocks ``src [capacity, CI, e, e]``;
+    the blocks take the source's memory layout."""
+    if origin is not None and extent is None:
+        raise ValueError("conv_blocks: a map source needs the block extent")
+    kh, kw = int(weight.shape[2]), int(weight.shape[3])
+    e = tuple(extent) if origin is not None else (int(src.shape[2]), int(src.shape[3]))
+    oh, ow = (e[0] - kh) // stride + 1, (e[1] - kw) // stride + 1
+    fmt = memory_format_of(src) or torch.contiguous_format
+
+    def slow(s, w, b, ps, pt):  # noqa: ANN001, ANN202
+        return _conv_blocks_torch(s, blist, w, b, stride, origin, e, None if ps is None else (ps, pt), relu, zero)
+
+    if fused_backend(src.device) != "triton":
+        return slow(src, weight, bias, *(pre if pre is not None else (None, None)))
+
+    def fast(s, w, b, ps, pt):  # noqa: ANN001, ANN202
+        out = torch.empty((blist.capacity, int(w.shape[0]), oh, ow), dtype=s.dtype, device=s.device,
+                          memory_format=fmt)
+        return triton_blocks.block_conv(s, blist.indices, blist.count, w, b, out, stride=stride,
+                                        in_map=origin is not None, origin=origin or ((0, 0), (0, 0)),
+                                        pre=None if ps is None else (ps, pt), relu=relu, zero=zero)
+
+    tensors = (src, weight, bias, *(pre if pre is not None else (None, None)))
+    if _grad(*tensors):
+        return _ViaComposition.apply(fast, slow, *tensors)
+    return fast(*tensors)
+
+
+def conv_scatter(blocks: torch.Tensor, blist: BlockList, weight: torch.Tensor, bias: torch.Tensor | None,
+                 out: torch.Tensor, *, tile: tuple[int, int], residual: str | torch.Tensor | None = None,
+                 relu: bool = False, inplace: bool = True) -> torch.Tensor:
+    """The last convolution of a unit on ``blocks``, its tiles combined into the map ``out`` (module docstring):
+    ``residual="map"`` adds out's own values (the identity shortcut), a ``[capacity, CO, th, tw]`` tensor adds
+    that (the projection), None writes. ``inplace``: into ``out`` itself (a copy of it otherwise; always a copy
+    under autograd)."""
+    if residual is not None and not isinstance(residual, torch.Tensor) and not _is_map(residual):
+        raise ValueError(f"conv_scatter: residual must be 'map', a tensor or None, got {residual!r}")
+    tile = (int(tile[0]), int(tile[1]))
+    res_t = residual if isinstance(residual, torch.Tensor) else None
+    grad = _grad(blocks, weight, bias, out, res_t)
+
+    def slow(bl, w, b, o, r):  # noqa: ANN001, ANN202
+        return _conv_scatter_torch(bl, blist, w, b, o, tile, r if r is not None else residual, relu,
+                                   inplace and not grad)
+
+    if fused_backend(blocks.device) != "triton":
+        return slow(blocks, weight, bias, out, res_t)
+
+    def fast(bl, w, b, o, r):  # noqa: ANN001, ANN202
+        dst = o if inplace and not grad else o.clone(memory_format=memory_format_of(o) or torch.contiguous_format)
+        return triton_blocks.block_conv(bl, blist.indices, blist.count, w, b, dst, stride=1, in_map=False,
+                                        relu=relu, tile=tile, residual=dst if _is_map(residual) else r,
+                                        residual_map=_is_map(residual))
+
+    if grad:
+        return _ViaComposition.apply(fast, slow, blocks, weight, bias, out, res_t)
+    return fast(blocks, weight, bias, out, res_t)

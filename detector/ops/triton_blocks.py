@@ -1,0 +1,204 @@
+"""Triton kernel of the fused sparse-block convolution: the GPU path of :mod:`detector.ops.fused`.
+
+One kernel, :func:`block_conv`, is an implicit GEMM over the rows of a :class:`~detector.ops.capacity.BlockList`:
+program ``(k, m-tile, n-tile)`` computes ``BM`` output pixels x ``BN`` output channels of block ``k`` (nothing
+when ``k >= count``: padding rows are skipped, their outputs left unwritten), reducing over ``KH x KW x CI``.
+Its prologue reads the source where it lies:
+
+- ``IN_MAP``: the map itself (any strides: NCHW or NHWC) at the block's window with its halo, zero outside the
+  map (the gather fused in; nothing is copied or padded); ``PRE``: ``relu(x * s + t)`` per input channel first
+  (a pre-activation unit's input BN), still zero outside the map;
+- else the previous convolution's blocks ``[capacity, CI, e, e]``.
+
+Its epilogue: ``+ bias`` (the folded batch norm's shift; the scale is folded into the weight), then
+
+- blocks out: ReLU, pixels outside the level's map zeroed (the dense twin's zero padding for the next
+  convolution), stored as ``[capacity, CO, OH, OW]``;
+- ``OUT_MAP``: the tile written into the output map at the block's place, clipped to the map, with the residual
+  added first (``RES=1``: the map's own value there, the identity shortcut; ``RES=2``: a shortcut block tensor,
+  the projection) and ReLU after: the scatter fused into the last convolution.
+
+Accumulation in float32 (float64 for float64 data). Under ``TRITON_INTERPRET=1`` the same kernel runs on CPU
+tensors (the tests); the interpreter's half-precision dot is upcast to float32 first. The kernel is decorated
+on first use, so the interpreter setting read then is the one that counts.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["available", "block_conv"]
+
+_KERNELS: dict[bool, object] = {}
+
+
+def available() -> bool:
+    """Whether triton can be imported."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _kernel():
+    interp = _interpreting()
+    if interp in _KERNELS:
+        return _KERNELS[interp]
+    import triton
+    import triton.language as tl
+
+    def _block_conv(
+        src, s_n, s_c, s_h, s_w, idx, cnt, w, bias, pre_s, pre_t,
+        res, r_n, r_c, r_h, r_w, out, o_n, o_c, o_h, o_w,
+        CI, CO, SH, SW, OH, OW,
+        in_mul_h, in_off_h, in_mul_w, in_off_w,
+        z_mul_h, z_off_h, z_mul_w, z_off_w, ZH, ZW,
+        KH: tl.constexpr, KW: tl.constexpr, STRIDE: tl.constexpr,
+        IN_MAP: tl.constexpr, PRE: tl.constexpr, OUT_MAP: tl.constexpr, RES: tl.constexpr, RELU: tl.constexpr,
+        ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, F64: tl.constexpr,
+        PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, M_TILES: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        k = pid // M_TILES
+        mt = pid % M_TILES
+        count = tl.load(cnt)
+        if k < count:
+            n = tl.load(idx + k * 3).to(tl.int64)
+            by = tl.load(idx + k * 3 + 1)
+            bx = tl.load(idx + k * 3 + 2)
+            rm = mt * BM + tl.arange(0, BM)
+            m_ok = rm < OH * OW
+            oy = rm // OW
+            ox = rm % OW
+            rn = tl.program_id(1) * BN + tl.arange(0, BN)
+            n_ok = rn < CO
+            if IN_MAP:
+                base = src + n * s_n
+                y0 = by * in_mul_h - in_off_h
+                x0 = bx * in_mul_w - in_off_w
+            else:
+                base = src + k.to(tl.int64) * s_n
+                y0 = 0
+                x0 = 0
+            acc = tl.zeros((BM, BN), dtype=tl.float64 if F64 else tl.float32)
+            for ky in tl.static_range(KH):
+                for kx in tl.static_range(KW):
+                    iy = y0 + oy * STRIDE + ky
+                    ix = x0 + ox * STRIDE + kx
+                    pix_ok = m_ok
+                    if IN_MAP:
+                        pix_ok = pix_ok & (iy >= 0) & (iy < SH) & (ix >= 0) & (ix < SW)
+                    for c0 in range(0, CI, BK):
+                        rc = c0 + tl.arange(0, BK)
+                        c_ok = rc < CI
+                        ok = pix_ok[:, None] & c_ok[None, :]
+                        a = tl.load(base + iy[:, None] * s_h + ix[:, None] * s_w + rc[None, :] * s_c, mask=ok,
+                                    other=0.0)
+                        if PRE:
+                            ps = tl.load(pre_s + rc, mask=c_ok, other=0.0)
+                            pt = tl.load(pre_t + rc, mask=c_ok, other=0.0)
+                            a2 = tl.maximum(a.to(acc.dtype) * ps[None, :] + pt[None, :], 0.0)
+                            a = tl.where(ok, a2, 0.0).to(a.dtype)
+                        b = tl.load(w + ((ky * KW + kx) * CI + rc)[:, None] * CO + rn[None, :],
+                                    mask=c_ok[:, None] & n_ok[None, :], other=0.0)
+                        if UPCAST:
+                            acc += tl.dot(a.to(acc.dtype), b.to(acc.dtype))
+                        else:
+                            acc += tl.dot(a, b, input_precision=PREC)
+            if HAS_BIAS:
+                acc += tl.load(bias + rn, mask=n_ok, other=0.0).to(acc.dtype)[None, :]
+            if OUT_MAP:
+                py = by * OH + oy
+                px = bx * OW + ox
+                ok = (m_ok & (py < ZH) & (px < ZW))[:, None] & n_ok[None, :]
+                if RES == 1:
+                    r = tl.load(res + n * r_n + rn[None, :] * r_c + py[:, None] * r_h + px[:, None] * r_w, mask=ok,
+                                other=0.0)
+                    acc += r.to(acc.dtype)
+                if RES == 2:
+                    r = tl.load(res + k.to(tl.int64) * r_n + rn[None, :] * r_c + oy[:, None] * r_h
+                                + ox[:, None] * r_w, mask=ok, other=0.0)
+                    acc += r.to(acc.dtype)
+                if RELU:
+                    acc = tl.maximum(acc, 0.0)
+                tl.store(out + n * o_n + rn[None, :] * o_c + py[:, None] * o_h + px[:, None] * o_w,
+                         acc.to(out.dtype.element_ty), mask=ok)
+            else:
+                if RELU:
+                    acc = tl.maximum(acc, 0.0)
+                if ZERO:
+                    zy = by * z_mul_h - z_off_h + oy
+                    zx = bx * z_mul_w - z_off_w + ox
+                    inside = (zy >= 0) & (zy < ZH) & (zx >= 0) & (zx < ZW)
+                    acc = tl.where(inside[:, None], acc, 0.0)
+                tl.store(out + k.to(tl.int64) * o_n + rn[None, :] * o_c + oy[:, None] * o_h + ox[:, None] * o_w,
+                         acc.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    _KERNELS[interp] = triton.jit(_block_conv)
+    return _KERNELS[interp]
+
+
+def _pow2(v: int, lo: int, hi: int) -> int:
+    p = lo
+    while p < v and p < hi:
+        p *= 2
+    return p
+
+
+def block_conv(src: torch.Tensor, indices: torch.Tensor, count: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None, out: torch.Tensor, *, stride: int, in_map: bool,
+               origin: tuple[tuple[int, int], tuple[int, int]] = ((0, 0), (0, 0)),
+               pre: tuple[torch.Tensor, torch.Tensor] | None = None, relu: bool = False,
+               zero: tuple[tuple[int, int], tuple[int, int], tuple[int, int]] | None = None,
+               tile: tuple[int, int] | None = None, residual: torch.Tensor | None = None,
+               residual_map: bool = False) -> torch.Tensor:
+    """Launch the kernel (module docstring); ``out`` is written and returned: blocks ``[capacity, CO, OH, OW]``,
+    or (``tile`` given) the map ``[N, CO, H', W']`` at each block's ``tile``-sized output tile.
+
+    ``weight [CO, CI, KH, KW]`` (the BN scale folded in), ``bias [CO]`` or None; ``origin``: the block's first
+    source pixel is ``(by * mul_h - off_h, bx * mul_w - off_w)`` for ``((mul_h, mul_w), (off_h, off_w))``;
+    ``zero``: ``((mul_h, mul_w), (off_h, off_w), (H, W))`` of the output level, pixels outside it zeroed;
+    ``residual``: the output map's own values (``residual_map``) or a ``[capacity, CO, th, tw]`` block tensor."""
+    cap = int(indices.shape[0])
+    co, ci, kh, kw = (int(v) for v in weight.shape)
+    if cap == 0:
+        return out
+    f64 = src.dtype == torch.float64
+    acc = torch.float64 if f64 else torch.float32
+    w = weight.permute(2, 3, 1, 0).reshape(kh * kw * ci, co).to(src.dtype).contiguous()
+    b = bias.to(acc).contiguous() if bias is not None else w  # an unused pointer when HAS_BIAS is false
+    ps, pt = (pre[0].to(acc).contiguous(), pre[1].to(acc).contiguous()) if pre is not None else (w, w)
+    res = residual if residual is not None else out
+    out_map = tile is not None
+    oh, ow = tile if out_map else (int(out.shape[2]), int(out.shape[3]))
+    (mh, mw), (fh, fw) = origin
+    if out_map:
+        zmh = zmw = zfh = zfw = 0
+        zh, zw = int(out.shape[2]), int(out.shape[3])
+    elif zero is not None:
+        (zmh, zmw), (zfh, zfw), (zh, zw) = zero
+    else:
+        zmh = zmw = zfh = zfw = zh = zw = 0
+    m = oh * ow
+    bm, bn, bk = _pow2(m, 16, 64), _pow2(co, 16, 64), _pow2(ci, 16, 32)
+    m_tiles = -(-m // bm)
+    prec = "tf32" if torch.backends.cudnn.allow_tf32 else "ieee"
+    grid = (cap * m_tiles, -(-co // bn))
+    _kernel()[grid](
+        src, *src.stride(), indices, count, w, b, ps, pt,
+        res, *res.stride(), out, *out.stride(),
+        ci, co, int(src.shape[2]), int(src.shape[3]), oh, ow,
+        mh, fh, mw, fw, zmh, zfh, zmw, zfw, zh, zw,
+        KH=kh, KW=kw, STRIDE=stride, IN_MAP=in_map, PRE=pre is not None, OUT_MAP=out_map,
+        RES=0 if residual is None else (1 if residual_map else 2), RELU=relu, ZERO=zero is not None and not out_map,
+        HAS_BIAS=bias is not None, UPCAST=_interpreting() or f64, F64=f64, PREC=prec,
+        BM=bm, BN=bn, BK=bk, M_TILES=m_tiles,
+    )
+    return out
