@@ -165,7 +165,7 @@ def load_program(path: str | Path) -> torch.export.ExportedProgram:
     :class:`~detector.errors.CheckpointError` names the file, the missing ops and the fix (``make kernels``)."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such .pt2 program")
+        raise CheckpointError(f"{path}: no such .pt2 program")
     try:
         needed = program_sbnet_ops(path)
     except zipfile.BadZipFile:

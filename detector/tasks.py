@@ -22,7 +22,7 @@ from detector.config import check_types
 from detector.data.datamodule import KittiDataModule
 from detector.data.kitti import KittiRoot
 from detector.data.kitti_labels import write_label
-from detector.errors import ConfigError, KittiFormatError, root_cause
+from detector.errors import ConfigError, KittiFormatError, is_user_error, root_cause
 from detector.geometry.voxelize import BevGrid
 from detector.models.detector import BevDetector
 from detector.module import SCOPE, DetectorModule, frame_records
@@ -38,6 +38,8 @@ def build_grid(bev_cfg: DictConfig) -> BevGrid:
     try:
         return instantiate(bev_cfg)
     except Exception as e:
+        if not is_user_error(e):
+            raise
         raise ConfigError(f"bev: {root_cause(e)}") from None
 
 

@@ -296,5 +296,5 @@ def test_load_program_without_the_kernels_names_the_file_and_make_kernels(tmp_pa
     (tmp_path / "junk.pt2").write_text("not a zip")
     with pytest.raises(CheckpointError, match="junk.pt2: not a .pt2 program"):
         load_program(tmp_path / "junk.pt2")
-    with pytest.raises(FileNotFoundError, match="none.pt2: no such .pt2 program"):
+    with pytest.raises(CheckpointError, match="none.pt2: no such .pt2 program"):
         load_program(tmp_path / "none.pt2")

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from detector.cli import parse_args
-from detector.errors import USER_ERRORS, CheckpointError, one_line
+from detector.errors import CheckpointError, is_user_error, one_line
 
 USAGE = __doc__
 
@@ -88,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         run(args)
-    except USER_ERRORS as e:
+    except Exception as e:
+        if not is_user_error(e):
+            raise
         print(one_line(e), file=sys.stderr)
         return 1
     return 0

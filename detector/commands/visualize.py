@@ -20,14 +20,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from hydra.errors import HydraException
 
 from detector.cli import parse_args
 from detector.data.kitti import KittiRoot
 from detector.data.kitti_camera import in_camera_fov
 from detector.data.kitti_labels import IMAGE_SIZE
 from detector.data.structures import Detections, Frame
-from detector.errors import CheckpointError, KittiFormatError, one_line
+from detector.errors import KittiFormatError, is_user_error, one_line
 from detector.geometry.boxes import BOX_EDGES, Boxes3D
 
 USAGE = __doc__
@@ -106,9 +105,11 @@ def main(argv=None) -> int:
         try:
             model, cfg = load_detector(args["ckpt_path"], mask_override=args["mask"])
             model.eval()
-            found, mask = detect(model, cfg, frame)  # ValueError: e.g. a road-map model on a frame without one
-        except (CheckpointError, ValueError, HydraException) as e:
-            print(one_line(e) if isinstance(e, HydraException) else f"error: {e}", file=sys.stderr)
+            found, mask = detect(model, cfg, frame)
+        except Exception as e:  # e.g. a road-map model on a frame without one
+            if not is_user_error(e):
+                raise
+            print(one_line(e), file=sys.stderr)
             return 1
         dets = found.boxes[found.scores >= args["score_threshold"]]
         grid = model.grid

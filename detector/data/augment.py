@@ -36,6 +36,7 @@ import torch
 
 from detector.data.road_map import RoadMap
 from detector.data.structures import Frame
+from detector.errors import ConfigError
 from detector.geometry.boxes import Boxes3D, points_in_boxes_sparse, wrap_angle
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -133,7 +134,7 @@ def rotate_road_map(road: RoadMap, angle: float) -> RoadMap:
 # --------------------------------------------------------------------------------------------------
 def _check_prob(name: str, p: float) -> None:
     if not (0.0 <= float(p) <= 1.0):
-        raise ValueError(f"{name} must be a probability in [0, 1], got {p!r}")
+        raise ConfigError(f"{name} must be a probability in [0, 1], got {p!r}")
 
 
 class _Op:
@@ -166,7 +167,7 @@ class GlobalRotation(_Op):
 
     def __init__(self, max_angle: float = math.pi / 4):
         if not (math.isfinite(float(max_angle)) and float(max_angle) >= 0):
-            raise ValueError(f"GlobalRotation.max_angle must be >= 0 radians, got {max_angle!r}")
+            raise ConfigError(f"GlobalRotation.max_angle must be >= 0 radians, got {max_angle!r}")
         self.max_angle = float(max_angle)
 
     def __call__(self, frame: Frame, rng: np.random.Generator) -> Frame:
@@ -183,7 +184,7 @@ class GlobalScaling(_Op):
 
     def __init__(self, min_scale: float = 0.95, max_scale: float = 1.05):
         if not (0 < float(min_scale) <= float(max_scale) and math.isfinite(float(max_scale))):
-            raise ValueError(f"GlobalScaling needs 0 < min_scale <= max_scale: {min_scale!r}, {max_scale!r}")
+            raise ConfigError(f"GlobalScaling needs 0 < min_scale <= max_scale: {min_scale!r}, {max_scale!r}")
         self.min_scale = float(min_scale)
         self.max_scale = float(max_scale)
 
@@ -215,9 +216,9 @@ class ObjectNoise(_Op):
         _check_prob("ObjectNoise.prob", prob)
         std = tuple(float(v) for v in translation_std)
         if len(std) != 3 or any(not (math.isfinite(v) and v >= 0) for v in std):
-            raise ValueError(f"ObjectNoise.translation_std must be 3 values >= 0, got {std!r}")
+            raise ConfigError(f"ObjectNoise.translation_std must be 3 values >= 0, got {std!r}")
         if not (math.isfinite(float(max_rotation)) and float(max_rotation) >= 0) or int(num_tries) < 1:
-            raise ValueError("ObjectNoise needs max_rotation >= 0 and num_tries >= 1")
+            raise ConfigError("ObjectNoise needs max_rotation >= 0 and num_tries >= 1")
         self.translation_std = std
         self.max_rotation = float(max_rotation)
         self.num_tries = int(num_tries)
@@ -302,7 +303,7 @@ class ObjectNoise(_Op):
 # --------------------------------------------------------------------------------------------------
 def _check_fractions(name: str, lo: float, hi: float) -> None:
     if not (0.0 <= float(lo) <= float(hi) <= 1.0):
-        raise ValueError(f"{name} needs 0 <= min_fraction <= max_fraction <= 1, got {lo!r}, {hi!r}")
+        raise ConfigError(f"{name} needs 0 <= min_fraction <= max_fraction <= 1, got {lo!r}, {hi!r}")
 
 
 def elevation_rings(points: np.ndarray, min_gap_deg: float = 0.1) -> np.ndarray:
@@ -334,7 +335,7 @@ class BeamDropout(_Op):
         _check_prob("BeamDropout.prob", prob)
         _check_fractions("BeamDropout", min_fraction, max_fraction)
         if not (math.isfinite(float(min_gap_deg)) and float(min_gap_deg) > 0):
-            raise ValueError(f"BeamDropout.min_gap_deg must be > 0, got {min_gap_deg!r}")
+            raise ConfigError(f"BeamDropout.min_gap_deg must be > 0, got {min_gap_deg!r}")
         self.prob = float(prob)
         self.min_fraction = float(min_fraction)
         self.max_fraction = float(max_fraction)
@@ -359,9 +360,9 @@ class IntensityJitter(_Op):
     def __init__(self, prob: float = 1.0, min_scale: float = 0.8, max_scale: float = 1.2, noise_std: float = 0.03):
         _check_prob("IntensityJitter.prob", prob)
         if not (0 <= float(min_scale) <= float(max_scale) and math.isfinite(float(max_scale))):
-            raise ValueError(f"IntensityJitter needs 0 <= min_scale <= max_scale: {min_scale!r}, {max_scale!r}")
+            raise ConfigError(f"IntensityJitter needs 0 <= min_scale <= max_scale: {min_scale!r}, {max_scale!r}")
         if not (math.isfinite(float(noise_std)) and float(noise_std) >= 0):
-            raise ValueError(f"IntensityJitter.noise_std must be >= 0, got {noise_std!r}")
+            raise ConfigError(f"IntensityJitter.noise_std must be >= 0, got {noise_std!r}")
         self.prob = float(prob)
         self.min_scale = float(min_scale)
         self.max_scale = float(max_scale)
@@ -398,7 +399,7 @@ class GroundTilt(_Op):
     def __init__(self, prob: float = 0.5, max_angle: float = 0.035):
         _check_prob("GroundTilt.prob", prob)
         if not (math.isfinite(float(max_angle)) and 0 <= float(max_angle) < math.pi / 4):
-            raise ValueError(f"GroundTilt.max_angle must be in [0, pi/4) radians, got {max_angle!r}")
+            raise ConfigError(f"GroundTilt.max_angle must be in [0, pi/4) radians, got {max_angle!r}")
         self.prob = float(prob)
         self.max_angle = float(max_angle)
 
@@ -474,7 +475,7 @@ class GtSampling(_Op):
         self.database = database
         self.counts = {str(k): int(v) for k, v in dict(counts).items()}
         if any(v < 0 for v in self.counts.values()):
-            raise ValueError(f"GtSampling.counts must be >= 0, got {self.counts}")
+            raise ConfigError(f"GtSampling.counts must be >= 0, got {self.counts}")
         mp = min_points if isinstance(min_points, Mapping) else {c: int(min_points) for c in self.counts}
         self.min_points = {str(k): int(v) for k, v in dict(mp).items()}
         self.max_difficulty = max_difficulty

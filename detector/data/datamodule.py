@@ -22,7 +22,7 @@ from detector.data.dataset import KittiDataset
 from detector.data.kitti import KittiRoot
 from detector.data.masks import RoadMapMask
 from detector.data.structures import Batch, Frame, collate_frames
-from detector.errors import KittiFormatError
+from detector.errors import ConfigError, KittiFormatError
 from detector.geometry.voxelize import BevGrid
 
 
@@ -134,9 +134,9 @@ class KittiDataModule(L.LightningDataModule):
     ):
         super().__init__()
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"data.batch_size must be a positive integer (or 'auto'), got {batch_size!r}")
+            raise ConfigError(f"data.batch_size must be a positive integer (or 'auto'), got {batch_size!r}")
         if num_workers < 0:
-            raise ValueError(f"data.num_workers must be >= 0, got {num_workers}")
+            raise ConfigError(f"data.num_workers must be >= 0, got {num_workers}")
         self.root = str(Path(root).expanduser())
         self.grid = grid
         self.batch_size = batch_size
@@ -156,7 +156,7 @@ class KittiDataModule(L.LightningDataModule):
         if stage not in self.datasets:
             split = self.splits[stage]
             if split is None:
-                raise ValueError(f"no {stage} split configured (data.{stage}_split)")
+                raise ConfigError(f"no {stage} split configured (data.{stage}_split)")
             needs_road = isinstance(self.mask_provider, RoadMapMask)
             if stage == "train" and not KittiRoot(self.root).has_labels():  # else it would learn empty scenes
                 raise KittiFormatError(KittiRoot(self.root).dir / "label_2",

@@ -16,7 +16,7 @@ from detector.data.kitti_calib import Calibration
 from detector.data.kitti_camera import in_camera_fov
 from detector.data.kitti_labels import IMAGE_SIZE, read_label
 from detector.data.structures import Frame
-from detector.errors import KittiFormatError
+from detector.errors import ConfigError, KittiFormatError
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class KittiDataset(torch.utils.data.Dataset):
         cache_mb: float = 0.0,
     ):
         if not (isinstance(cache_mb, (int, float)) and not isinstance(cache_mb, bool) and cache_mb >= 0):
-            raise ValueError(f"data.cache_mb must be a number >= 0 (MiB), got {cache_mb!r}")
+            raise ConfigError(f"data.cache_mb must be a number >= 0 (MiB), got {cache_mb!r}")
         self.root = KittiRoot(root)
         self.split = split
         self.road_map = road_map

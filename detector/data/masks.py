@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from detector.data.structures import Batch
+from detector.errors import ConfigError
 from detector.geometry.box_masks import check_radius, close, dilate
 from detector.geometry.voxelize import BevGrid, axis_index
 
@@ -102,7 +103,7 @@ class RoadMapMask:
     def __init__(self, dilation_m: float = 2.0, downsample: int = 4):
         self.dilation_m = check_radius(dilation_m, "RoadMapMask.dilation_m")
         if not isinstance(downsample, int) or downsample < 1:
-            raise ValueError(f"RoadMapMask.downsample must be a positive integer, got {downsample!r}")
+            raise ConfigError(f"RoadMapMask.downsample must be a positive integer, got {downsample!r}")
         self.downsample = downsample
 
     def __call__(self, batch: Batch, grid: BevGrid) -> MaskResult:
@@ -111,7 +112,7 @@ class RoadMapMask:
         maps = []
         for f in batch.frames:
             if f.road_map is None:
-                raise ValueError(
+                raise ConfigError(
                     f"mask=road_map: frame {f.frame_id} has no road map (real KITTI has none; our simulator "
                     "writes road_map/): use mask=predicted, mask=ground or mask=none"
                 )
@@ -170,15 +171,15 @@ class GroundMask:
         self.closing_m = check_radius(closing_m, "GroundMask.closing_m")
         for name, v in (("search_band", search_band), ("distance_threshold", distance_threshold)):
             if not (math.isfinite(float(v)) and float(v) > 0):
-                raise ValueError(f"GroundMask.{name} must be positive, got {v!r}")
+                raise ConfigError(f"GroundMask.{name} must be positive, got {v!r}")
         if int(min_points) < 3 or int(max_fit_points) < int(min_points) or int(num_iterations) < 1:
-            raise ValueError(
+            raise ConfigError(
                 "GroundMask needs min_points >= 3, max_fit_points >= min_points and num_iterations >= 1, got "
                 f"{min_points}, {max_fit_points}, {num_iterations}"
             )
         edges = [float(e) for e in zone_edges_m]
         if any(not (math.isfinite(e) and e > 0) for e in edges) or edges != sorted(set(edges)):
-            raise ValueError(f"GroundMask.zone_edges_m must be increasing positive ranges, got {edges!r}")
+            raise ConfigError(f"GroundMask.zone_edges_m must be increasing positive ranges, got {edges!r}")
         self.zone_edges = np.asarray(edges, dtype=np.float64)
         self.ground_z = float(ground_z)
         self.search_band = float(search_band)

@@ -33,16 +33,18 @@ from dataclasses import dataclass
 
 import torch
 
+from detector.errors import ConfigError
+
 
 def _as_range(name: str, value: Sequence[float]) -> tuple[float, float]:
     try:
         lo, hi = (float(v) for v in value)
     except (TypeError, ValueError):
-        raise ValueError(f"BevGrid.{name} must be two numbers (min, max), got {value!r}") from None
+        raise ConfigError(f"BevGrid.{name} must be two numbers (min, max), got {value!r}") from None
     if not (math.isfinite(lo) and math.isfinite(hi)):
-        raise ValueError(f"BevGrid.{name} must be finite, got {(lo, hi)}")
+        raise ConfigError(f"BevGrid.{name} must be finite, got {(lo, hi)}")
     if lo >= hi:
-        raise ValueError(f"BevGrid.{name}: min must be < max, got {(lo, hi)}")
+        raise ConfigError(f"BevGrid.{name}: min must be < max, got {(lo, hi)}")
     return lo, hi
 
 
@@ -50,9 +52,9 @@ def _n_cells(name: str, lo: float, hi: float, res: float) -> int:
     extent = hi - lo
     n = round(extent / res)
     if n < 1:
-        raise ValueError(f"BevGrid.{name} = {(lo, hi)} holds zero cells of {res} m")
+        raise ConfigError(f"BevGrid.{name} = {(lo, hi)} holds zero cells of {res} m")
     if abs(n * res - extent) > 1e-6 * max(1.0, extent):
-        raise ValueError(
+        raise ConfigError(
             f"BevGrid.{name} = {(lo, hi)}: its extent {extent:g} m is not a whole number of {res} m cells"
         )
     return n
@@ -65,7 +67,7 @@ class BevGrid:
     ``resolution`` is the BEV cell size (x and y), ``z_resolution`` the height-slice thickness.
     Derived: ``W`` columns (x), ``H`` rows (y), ``n_slices`` height slices, ``C = n_slices + 1`` channels.
     Invalid grids (min >= max, non-positive resolution, zero cells, an extent that is not a whole number
-    of cells) raise ValueError at construction.
+    of cells) raise ConfigError at construction.
     """
 
     x_range: tuple[float, float]
@@ -80,9 +82,9 @@ class BevGrid:
             try:
                 v = float(v)
             except (TypeError, ValueError):
-                raise ValueError(f"BevGrid.{name} must be a number, got {v!r}") from None
+                raise ConfigError(f"BevGrid.{name} must be a number, got {v!r}") from None
             if not (math.isfinite(v) and v > 0):
-                raise ValueError(f"BevGrid.{name} must be positive, got {v}")
+                raise ConfigError(f"BevGrid.{name} must be positive, got {v}")
             object.__setattr__(self, name, v)
         for name in ("x_range", "y_range", "z_range"):
             object.__setattr__(self, name, _as_range(name, getattr(self, name)))

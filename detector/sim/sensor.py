@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from detector.data.kitti_calib import Calibration
+from detector.errors import ConfigError
 from detector.sim.meshes import DARK, DROPOUT, Material
 from detector.sim.scene import Scene
 
@@ -32,18 +33,18 @@ class LidarSpec:
 
     def __post_init__(self):
         if self.columns < 8:
-            raise ValueError(f"LidarSpec.columns must be >= 8, got {self.columns}")
+            raise ConfigError(f"LidarSpec.columns must be >= 8, got {self.columns}")
         if not self.max_range > 0:
-            raise ValueError(f"LidarSpec.max_range must be > 0, got {self.max_range}")
+            raise ConfigError(f"LidarSpec.max_range must be > 0, got {self.max_range}")
         for k in ("range_noise", "dropout", "min_signal", "intensity_noise", "zero_signal", "zero_spread"):
             if getattr(self, k) < 0:
-                raise ValueError(f"LidarSpec.{k} must be >= 0, got {getattr(self, k)}")
+                raise ConfigError(f"LidarSpec.{k} must be >= 0, got {getattr(self, k)}")
         if self.dropout >= 1:
-            raise ValueError(f"LidarSpec.dropout must be < 1, got {self.dropout}")
+            raise ConfigError(f"LidarSpec.dropout must be < 1, got {self.dropout}")
         if self.ego_body is not None:
             e = tuple(float(v) for v in self.ego_body)
             if len(e) != 5 or not (e[0] < e[1] and e[2] < e[3] and e[4] < 0):
-                raise ValueError(f"LidarSpec.ego_body must be (x0 < x1, y0 < y1, z < 0), got {self.ego_body}")
+                raise ConfigError(f"LidarSpec.ego_body must be (x0 < x1, y0 < y1, z < 0), got {self.ego_body}")
             object.__setattr__(self, "ego_body", e)
 
 

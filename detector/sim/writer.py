@@ -233,14 +233,14 @@ def generate_dataset(
     so their presence marks a complete dataset. ``root/sim.json`` records the generation parameters.
     """
     if not isinstance(frames, int) or frames < 1:
-        raise ValueError(f"frames must be a positive integer, got {frames!r}")
+        raise ConfigError(f"frames must be a positive integer, got {frames!r}")
     if not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        raise ConfigError(f"seed must be a non-negative integer, got {seed!r}")
     if val_every < 2:
-        raise ValueError(f"val_every must be >= 2, got {val_every}")
+        raise ConfigError(f"val_every must be >= 2, got {val_every}")
     workers = min(workers or len(os.sched_getaffinity(0)), frames)
     if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
+        raise ConfigError(f"workers must be >= 1, got {workers}")
     root = Path(root)
     _prepare_root(root, frames)
     imagesets = [root / "ImageSets" / f"{s}.txt" for s in ("train", "val")]
