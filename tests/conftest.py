@@ -13,16 +13,6 @@ from detector.data.kitti_calib import Calibration
 KITTI_REAL = Path(__file__).resolve().parents[1].parent / "shared" / "kitti_real"
 
 
-def load_script(name: str):
-    """``scripts/<name>.py`` imported as a module (the scripts are not a package), for tests that call its ``main``."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def make_calib(rot_deg: float = 0.0) -> Calibration:
     """A KITTI-like calibration: camera 0.27 m ahead of and 0.08 m below the LiDAR, optionally yawed."""
     f, cx, cy = 720.0, 610.0, 175.0

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import json
 
-from tests.conftest import load_script
-
-
-def _script():
-    return load_script("bench_loader")
+from detector.bench import loader as bench
 
 
 def test_loader_benchmark_times_both_datasets_and_fills_the_cache(tmp_path, tiny_root):
     out = tmp_path / "bench" / "loader.json"
-    assert _script().main([f"root={tiny_root}", "epochs=2", "frames=3", "cache_mb=64", f"out={out}",
+    assert bench.main([f"root={tiny_root}", "epochs=2", "frames=3", "cache_mb=64", f"out={out}",
                            "extra=bev.x_range=[0,25.6] bev.y_range=[-12.8,12.8]"]) == 0
     r = json.loads(out.read_text())
     assert r["frames"] == 3 and r["epochs"] == 2

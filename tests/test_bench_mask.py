@@ -6,19 +6,18 @@ import json
 
 import pytest
 
-from tests.conftest import load_script
+from detector.bench import mask as bench
 from tests.test_plan import COST_OVERRIDE
 from tests.test_train import TINY
 
 
 def test_mask_screen_on_a_tiny_dataset(tmp_path, tiny_root):
-    script = load_script("bench_mask")
     out = tmp_path / "screen.json"
     # the tiny grid and model; the plan (block_size=auto, the config's) on constant costs, not this machine's timing
     extra = " ".join([*(o for o in TINY if not o.startswith(("trainer.", "callbacks.", "model.block_size",
                                                              "model.head_block_size"))), COST_OVERRIDE])
     # threshold 0.999: nothing that sure after 2 steps -> an empty mask, still reported (no MACs, no recall)
-    assert script.main(["variants=c2,c3w8m0.5", "thresholds=0.3,0.999", "steps=2", "batches=1",
+    assert bench.main(["variants=c2,c3w8m0.5", "thresholds=0.3,0.999", "steps=2", "batches=1",
                         f"root={tiny_root}", f"out={out}", f"extra={extra}"]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["variant"], r["threshold"]) for r in rows] == [("c2", 0.3), ("c2", 0.999), ("c3w8m0.5", 0.3),
@@ -36,4 +35,4 @@ def test_mask_screen_on_a_tiny_dataset(tmp_path, tiny_root):
 
 def test_mask_screen_names_a_bad_variant(tmp_path):
     with pytest.raises(SystemExit, match="variants: 'x5'"):
-        load_script("bench_mask").main(["variants=x5", f"out={tmp_path / 's.json'}"])
+        bench.main(["variants=x5", f"out={tmp_path / 's.json'}"])

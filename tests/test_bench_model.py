@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import json
 
+from detector.bench import model as bench
 from detector.tasks import train
-from tests.conftest import load_script
 from tests.test_train import _cfg
-
-
-def _script():
-    return load_script("bench_model")
 
 
 def test_bench_model_times_a_checkpoint_with_its_bound_and_stage_times(tmp_path, tiny_root):
@@ -18,7 +14,7 @@ def test_bench_model_times_a_checkpoint_with_its_bound_and_stage_times(tmp_path,
                       "model.head_block_size=auto", "trainer.max_steps=2", "callbacks.model_checkpoint.monitor=null",
                       "evaluate_after=false", "logger=none", "trainer.limit_val_batches=0"))["best_ckpt"]
     out = tmp_path / "bench" / "model.json"
-    assert _script().main([f"ckpt_path={ckpt}", f"root={tiny_root}", "masks=none,predicted", "batches=1", "frames=2",
+    assert bench.main([f"ckpt_path={ckpt}", f"root={tiny_root}", "masks=none,predicted", "batches=1", "frames=2",
                            "reps=1", f"out={out}"]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["mask"] for r in rows] == ["none", "predicted"]

@@ -10,14 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from detector.bench import sim2real as bench
 from detector.data.kitti_labels import read_label
-from tests.conftest import load_script
 from tests.test_eval_app import car_root, oracle, predicted_ckpt  # noqa: F401 (fixtures)
 from tests.test_train import REPO
-
-
-def _script():
-    return load_script("bench_sim2real")
 
 
 def _distances(root: Path) -> np.ndarray:
@@ -30,7 +26,7 @@ def test_bench_on_ground_truth_detections(car_root, predicted_ckpt, oracle, tmp_
     """A model that outputs the ground truth: AP 100 and recall 1 in every band that has ground truth, for every
     mask; each mask's entry is exactly the metrics.json its evaluation wrote, plus the recall."""
     out = tmp_path / "bench" / "sim2real.json"
-    assert _script().main([f"ckpt_path={predicted_ckpt}", f"real={car_root}", f"out={out}", "images=1",
+    assert bench.main([f"ckpt_path={predicted_ckpt}", f"real={car_root}", f"out={out}", "images=1",
                            f"images_dir={tmp_path / 'img'}"]) == 0
     res = json.loads(out.read_text())
     dist = _distances(car_root)  # all 96 cars are inside the TINY grid
@@ -74,7 +70,7 @@ def test_recall_counts_a_car_only_above_the_iou(tmp_path):
         res_dir.mkdir()
         write_label(gt_dir / "000000.txt", labels([10.0, 45.0]))
         write_label(res_dir / "000000.txt", labels([10.0 + shift], score=0.9))  # ry = pi/2: length along z
-        rec = _script().recall_by_distance(gt_dir, res_dir)
+        rec = bench.recall_by_distance(gt_dir, res_dir)
         assert rec["0-20"] == {"gt": 1, "recall_bev_0.5": float(found[0]), "recall_bev_0.7": float(found[1])}
         assert rec["40+"] == {"gt": 1, "recall_bev_0.5": 0.0, "recall_bev_0.7": 0.0}
         assert rec["20-40"] == {"gt": 0, "recall_bev_0.5": None, "recall_bev_0.7": None}
@@ -86,7 +82,7 @@ def test_predicted_without_a_mask_net_is_not_available(car_root, predicted_ckpt,
     not available with the reason; the other masks are evaluated."""
     path = _without_mask_net(predicted_ckpt, tmp_path / "no_mask_net.ckpt")
     out = tmp_path / "sim2real.json"
-    assert _script().main([f"ckpt_path={path}", f"real={car_root}", f"out={out}", "images=0",
+    assert bench.main([f"ckpt_path={path}", f"real={car_root}", f"out={out}", "images=0",
                            "masks=none,predicted"]) == 0
     res = json.loads(out.read_text())
     assert res["predicted"]["available"] is False and "has no trained mask net" in res["predicted"]["reason"]
@@ -96,9 +92,9 @@ def test_predicted_without_a_mask_net_is_not_available(car_root, predicted_ckpt,
 
 def test_bench_without_real_frames_says_so_in_one_line(car_root, tmp_path):  # noqa: F811
     with pytest.raises(SystemExit, match=r"error: .*missing: no real KITTI frames there"):
-        _script().main([f"real={tmp_path / 'missing'}", "ckpt_path=x.ckpt"])
+        bench.main([f"real={tmp_path / 'missing'}", "ckpt_path=x.ckpt"])
     with pytest.raises(SystemExit, match="unknown mask 'road'"):
-        _script().main([f"real={car_root}", "masks=none,road"])
+        bench.main([f"real={car_root}", "masks=none,road"])
 
 
 def test_bench_trains_a_checkpoint_when_none_is_given(tiny_root, car_root, tmp_path):  # noqa: F811
@@ -109,7 +105,7 @@ def test_bench_trains_a_checkpoint_when_none_is_given(tiny_root, car_root, tmp_p
     extra = " ".join([*TINY, "trainer.max_steps=1", "trainer.limit_val_batches=0", "evaluate_after=false",
                       "logger=none", "callbacks.model_checkpoint.monitor=null"])
     out = tmp_path / "sim2real.json"
-    assert _script().main([f"train_root={tiny_root}", f"real={car_root}", f"out={out}", "images=0", "masks=none",
+    assert bench.main([f"train_root={tiny_root}", f"real={car_root}", f"out={out}", "images=0", "masks=none",
                            f"extra={extra}"]) == 0
     meta = json.loads(out.read_text())["meta"]
     assert meta["train_command"].startswith(f"python scripts/train.py data.root={tiny_root}")
@@ -146,7 +142,7 @@ def test_a_bad_real_root_is_named_as_the_user_gave_it(car_root, predicted_ckpt, 
         (real / "training" / "calib" / "000003.txt").write_text("P2: 1 2\n")
         want = str(real / "training" / "calib" / "000003.txt") + ":1:"
     with pytest.raises(SystemExit) as e:
-        _script().main([f"ckpt_path={predicted_ckpt}", f"real={real}", f"out={tmp_path / 'o.json'}", "images=0",
+        bench.main([f"ckpt_path={predicted_ckpt}", f"real={real}", f"out={tmp_path / 'o.json'}", "images=0",
                         "masks=none"])
     msg = str(e.value.code)
     assert msg.startswith("error: ") and "\n" not in msg
@@ -160,7 +156,7 @@ def test_predicted_mask_from_a_second_checkpoint(car_root, predicted_ckpt, oracl
     mask=predicted: one run evaluates all three masks, predicted with the second checkpoint, under their names."""
     main_ckpt = _without_mask_net(predicted_ckpt, tmp_path / "road" / "checkpoints" / "last.ckpt")
     out = tmp_path / "sim2real.json"
-    assert _script().main([f"ckpt_path={main_ckpt}", f"predicted_ckpt_path={predicted_ckpt}", f"real={car_root}",
+    assert bench.main([f"ckpt_path={main_ckpt}", f"predicted_ckpt_path={predicted_ckpt}", f"real={car_root}",
                            f"out={out}", "images=0"]) == 0
     res = json.loads(out.read_text())
     for mask in ("none", "ground", "predicted"):
@@ -171,10 +167,10 @@ def test_predicted_mask_from_a_second_checkpoint(car_root, predicted_ckpt, oracl
     md = out.with_suffix(".md").read_text()
     assert "| predicted | 100.00 | 100.00 |" in md and f"mask=predicted: `{predicted_ckpt}`" in md
     with pytest.raises(SystemExit, match="has no predicted"):
-        _script().main([f"ckpt_path={main_ckpt}", f"predicted_ckpt_path={predicted_ckpt}", f"real={car_root}",
+        bench.main([f"ckpt_path={main_ckpt}", f"predicted_ckpt_path={predicted_ckpt}", f"real={car_root}",
                         "masks=none"])
     with pytest.raises(SystemExit, match="predicted_ckpt_path=.*missing.ckpt: no such checkpoint"):
-        _script().main([f"ckpt_path={main_ckpt}", f"predicted_ckpt_path={tmp_path / 'missing.ckpt'}",
+        bench.main([f"ckpt_path={main_ckpt}", f"predicted_ckpt_path={tmp_path / 'missing.ckpt'}",
                         f"real={car_root}"])
 
 
@@ -195,7 +191,7 @@ def test_moonshot_status_and_before_after(car_root, predicted_ckpt, oracle, tmp_
     committed = tmp_path / "baseline.json"
     committed.write_text(json.dumps(base))
     out = tmp_path / "sim2real.json"
-    assert _script().main([f"ckpt_path={ckpt}", f"real={car_root}", f"out={out}", "images=0",
+    assert bench.main([f"ckpt_path={ckpt}", f"real={car_root}", f"out={out}", "images=0",
                            f"baseline={committed}"]) == 0
     meta = json.loads(out.read_text())["meta"]
     ms = meta["moonshot"]
@@ -217,7 +213,7 @@ def test_moonshot_status_and_before_after(car_root, predicted_ckpt, oracle, tmp_
 
 
 def test_moonshot_not_met_says_what_is_short():
-    mod = _script()
+    mod = bench
 
     def entry(ap, rec):
         return {"Car": {"bev": {"R40": {"moderate": ap}}, "3d": {"R40": {"moderate": ap / 2}}},
@@ -238,4 +234,4 @@ def test_a_bad_baseline_is_refused_before_evaluating(car_root, tmp_path):  # noq
     for path, why in ((tmp_path / "nope.json", "not a readable JSON file"),
                       (tmp_path / "b.json", "not a bench_sim2real JSON")):
         with pytest.raises(SystemExit, match=f"baseline=.*: {why}"):
-            _script().main([f"real={car_root}", "ckpt_path=x.ckpt", f"baseline={path}"])
+            bench.main([f"real={car_root}", "ckpt_path=x.ckpt", f"baseline={path}"])

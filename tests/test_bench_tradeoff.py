@@ -5,13 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from detector.bench import tradeoff as bench
 from detector.tasks import train
-from tests.conftest import load_script
 from tests.test_train import _cfg
-
-
-def _script():
-    return load_script("bench_tradeoff")
 
 
 def test_tradeoff_curve_on_a_tiny_checkpoint(tmp_path, tiny_root):
@@ -20,7 +16,7 @@ def test_tradeoff_curve_on_a_tiny_checkpoint(tmp_path, tiny_root):
                       "trainer.limit_val_batches=0"))["best_ckpt"]
     out = tmp_path / "bench" / "tradeoff.json"
     # threshold 0.999: an untrained mask net predicts nothing that sure -> an empty mask, still reported
-    assert _script().main([f"ckpt_path={ckpt}", f"root={tiny_root}", "thresholds=0.01,0.999", "dilations=0,1",
+    assert bench.main([f"ckpt_path={ckpt}", f"root={tiny_root}", "thresholds=0.01,0.999", "dilations=0,1",
                            f"out={out}", f"tb={tmp_path / 'tb'}"]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["setting"] for r in rows] == ["dense", "t0.01/d0", "t0.01/d1", "t0.999/d0", "t0.999/d1"]
@@ -43,5 +39,5 @@ def test_tradeoff_refuses_a_missing_checkpoint(tmp_path):
     import pytest
 
     with pytest.raises(SystemExit, match="no such checkpoint"):
-        _script().main([f"ckpt_path={tmp_path / 'none.ckpt'}"])
+        bench.main([f"ckpt_path={tmp_path / 'none.ckpt'}"])
     assert not Path(tmp_path / "none.ckpt").exists()

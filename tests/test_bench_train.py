@@ -6,13 +6,9 @@ import json
 
 import pytest
 
-from tests.conftest import load_script
+from detector.bench import train as bench
 from tests.test_plan import COST_OVERRIDE
 from tests.test_train import TINY
-
-
-def _script():
-    return load_script("bench_train")
 
 
 def test_bench_train_side_by_side_writes_both_runs(tmp_path, tiny_root):
@@ -20,7 +16,7 @@ def test_bench_train_side_by_side_writes_both_runs(tmp_path, tiny_root):
     extra += ["model.block_size=auto", "model.head_block_size=auto", COST_OVERRIDE, "trainer.max_steps=2",
               "logger=none", "trainer.limit_val_batches=0", "callbacks.model_checkpoint.monitor=null"]
     out = tmp_path / "train.json"
-    assert _script().main([f"root={tiny_root}", f"out={out}", "side_by_side=true", f"runs_dir={tmp_path / 'runs'}",
+    assert bench.main([f"root={tiny_root}", f"out={out}", "side_by_side=true", f"runs_dir={tmp_path / 'runs'}",
                            "steps=2", "extra=" + " ".join(extra)]) == 0
     res = json.loads(out.read_text())
     assert set(res["wall_s"]) == {"sparse", "dense"} and res["side_by_side"] and res["threads"] >= 1
@@ -50,7 +46,7 @@ def test_step_breakdown_from_an_earlier_result(tmp_path, tiny_root):
     extra += ["model.block_size=16", "model.head_block_size=16", "trainer.max_steps=1", "logger=none",
               "trainer.limit_val_batches=0", "callbacks.model_checkpoint.monitor=null"]
     first = tmp_path / "first.json"
-    mod = _script()
+    mod = bench
     assert mod.main([f"root={tiny_root}", f"out={first}", "runs=dense", f"runs_dir={tmp_path / 'runs'}", "steps=0",
                      "extra=" + " ".join(extra)]) == 0
     assert "steps_ms" not in json.loads(first.read_text())
@@ -69,7 +65,7 @@ def test_side_by_side_wall_time_is_each_runs_own(tmp_path, monkeypatch):
     """The run started first but ending last must not lend its end time to the others (it did: all equal)."""
     import time
 
-    mod = _script()
+    mod = bench
     durations = {"sparse": 2.0, "dense": 0.1}
     ap = {"easy": 1.0, "moderate": 1.0, "hard": 1.0}
     METRICS = {"Car": {m: {"R40": ap} for m in ("bev", "3d", "2d", "aos")}}
@@ -115,9 +111,9 @@ def test_logged_step_ms_reads_the_runs_own_log(tmp_path):
         w.add_scalar("train/loss", 1.0, 10 * (i + 1), walltime=t)
         w.add_scalar("train/other", 0.0, 10 * (i + 1), walltime=t + 0.5)  # other tags do not count
     w.close()
-    got = _script().logged_step_ms(log)
+    got = bench.logged_step_ms(log)
     assert got == {"median": 200.0, "quarters": [100.0, 200.0, 200.0, 200.0]}
-    assert _script().logged_step_ms(tmp_path / "none") is None  # logger=none: no log
+    assert bench.logged_step_ms(tmp_path / "none") is None  # logger=none: no log
 
 
 def test_seeds_run_every_model_per_seed_against_its_own_dense_twin(tmp_path, monkeypatch):
@@ -128,7 +124,7 @@ def test_seeds_run_every_model_per_seed_against_its_own_dense_twin(tmp_path, mon
     moderate 90 / 94 (sparse), 95 / 93 (dense) -> means 92 and 94."""
     import time
 
-    mod = _script()
+    mod = bench
     plan = {("sparse", "3"): (0.2, 90.0), ("dense", "3"): (0.4, 95.0), ("sparse", "7"): (0.3, 94.0),
             ("dense", "7"): (0.3, 93.0)}
     order = []

@@ -141,11 +141,12 @@ class _Accepted(Exception):
 
 
 def _load(script: str):
+    """The module whose ``main`` the script runs (a thin script's, e.g. ``detector.bench.train``)."""
     name = "_docs_" + Path(script).stem
     spec = importlib.util.spec_from_file_location(name, REPO / script)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module(mod.main.__module__) if hasattr(mod, "main") else mod
 
 
 @pytest.mark.parametrize(("doc", "script", "args"), KV_LINES, ids=[" ".join([c[1], *c[2]]) for c in KV_LINES])

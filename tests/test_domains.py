@@ -12,6 +12,7 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from detector.bench import compare_domains
 from detector.data.domains import collect, compare, elevation_deg, fit_ground, ks_statistic, wasserstein_1d
 from detector.data.kitti import write_points
 from detector.data.kitti_calib import Calibration
@@ -19,15 +20,10 @@ from detector.data.kitti_camera import boxes_to_labels
 from detector.data.kitti_labels import write_label
 from detector.geometry.boxes import Boxes3D
 from detector.resources import config_dir
-from tests.conftest import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 REAL = REPO / ".." / "shared" / "kitti_real"
 GRID = instantiate(OmegaConf.load(config_dir() / "bev" / "small.yaml"))
-
-
-def _script():
-    return load_script("compare_domains")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -157,7 +153,7 @@ def tiny_roots(tmp_path_factory):
 
 def test_report_end_to_end(tiny_roots, tmp_path, capsys):
     out = tmp_path / "report"
-    rc = _script().main([f"sim={tiny_roots / 'a'}", f"real={tiny_roots / 'b'}", f"baseline={tiny_roots / 'a'}",
+    rc = compare_domains.main([f"sim={tiny_roots / 'a'}", f"real={tiny_roots / 'b'}", f"baseline={tiny_roots / 'a'}",
                          f"out={out}"])
     assert rc == 0
     # out= is a folder: the JSON, the markdown and the PNGs all go into it, nothing anywhere else.
@@ -182,7 +178,7 @@ def test_report_end_to_end(tiny_roots, tmp_path, capsys):
 
 def test_report_default_folder_is_the_committed_report():
     """Without out= the report lands where the committed one is (its paths in the markdown do not change)."""
-    mod = _script()
+    mod = compare_domains
     out = Path(mod.DEFAULTS["out"])
     assert (out / mod.REPORT_JSON, out / mod.REPORT_MD, out / mod.PLOTS_DIR) == (
         Path("benchmarks/domains_cpu.json"), Path("benchmarks/domains_cpu.md"), Path("benchmarks/domains"))
@@ -192,12 +188,12 @@ def test_report_default_folder_is_the_committed_report():
 
 def test_report_refuses_a_file_as_out(tiny_roots, tmp_path):
     with pytest.raises(SystemExit, match=r"out=.*x\.json: a folder is expected"):
-        _script().main([f"sim={tiny_roots / 'a'}", f"real={tiny_roots / 'b'}", f"out={tmp_path / 'x.json'}"])
+        compare_domains.main([f"sim={tiny_roots / 'a'}", f"real={tiny_roots / 'b'}", f"out={tmp_path / 'x.json'}"])
     assert not (tmp_path / "x.json").exists()
 
 
 def test_report_refuses_a_missing_root(tiny_roots, tmp_path, capsys):
-    rc = _script().main([f"sim={tmp_path / 'nope'}", f"real={tiny_roots / 'b'}", f"out={tmp_path / 'x'}"])
+    rc = compare_domains.main([f"sim={tmp_path / 'nope'}", f"real={tiny_roots / 'b'}", f"out={tmp_path / 'x'}"])
     assert rc == 1
     assert "nope" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
@@ -206,7 +202,7 @@ def test_report_refuses_a_missing_root(tiny_roots, tmp_path, capsys):
 @pytest.mark.skipif(not REAL.is_dir(), reason="no ../shared/kitti_real (real KITTI frames) beside the checkout")
 def test_report_against_real_kitti(tiny_roots, tmp_path):
     out = tmp_path / "d"
-    assert _script().main([f"sim={tiny_roots / 'a'}", f"out={out}"]) == 0
+    assert compare_domains.main([f"sim={tiny_roots / 'a'}", f"out={out}"]) == 0
     real = json.loads((out / "domains_cpu.json").read_text())["domains"]["real"]
     assert real["frames"] == 10 and real["means"]["points_per_frame"] > 100_000
     assert real["objects_per_frame"]["Car"]["all"] > 1

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from detector.commands import kitti_eval
 from detector.data.kitti import write_imageset, write_points
 from detector.data.kitti_camera import boxes_to_labels
 from detector.data.kitti_labels import write_label
@@ -22,9 +23,6 @@ from detector.models.detector import BevDetector
 from detector.tasks import evaluate_checkpoint, train
 from tests.conftest import make_calib
 from tests.test_train import _cfg
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import kitti_eval  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 N_FRAMES, CARS = 12, 8  # 96 cars, all easy: AP 100 needs at least 41 counted GT per level

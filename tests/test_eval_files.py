@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from detector.commands import kitti_eval
 from detector.data.kitti import write_imageset
 from detector.data.kitti_camera import boxes_to_labels
 from detector.data.kitti_labels import read_label, write_label
@@ -18,9 +17,6 @@ from detector.eval.kitti_files import load_eval_inputs, write_results
 from detector.eval.kitti_metric import evaluate
 from detector.eval.synthetic import synthetic_set
 from detector.geometry.boxes import Boxes3D
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import kitti_eval  # noqa: E402
 
 
 @pytest.fixture

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from detector.bench import estimate_memory
+from detector.bench import memory as bench_memory
 from detector.memory import MB, estimate, measure_peak, stage_shares, tensor_bytes
 from detector.tasks import build_datamodule, build_grid, build_model
 
@@ -149,14 +151,6 @@ def test_estimate_command_names_the_largest_batch_that_fits():
     assert bad.returncode == 1 and bad.stderr.strip().count("\n") == 0 and bad.stderr.startswith("error:")
 
 
-def _script_module(name: str):
-    from tests.conftest import load_script
-
-    return load_script(name)
-
-
-def _estimate_command():
-    return _script_module("estimate_memory")
 
 
 @pytest.mark.parametrize(("arg", "words"), [
@@ -175,7 +169,7 @@ def _estimate_command():
     ("available_mb=lots", ("available_mb='lots'", "not a number")),
 ])
 def test_estimate_command_refuses_a_bad_value_in_one_line_naming_the_key(arg, words, capsys):
-    assert _estimate_command().main([arg]) == 1
+    assert estimate_memory.main([arg]) == 1
     out = capsys.readouterr()
     lines = out.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {arg.split('=')[0]}="), out.err
@@ -184,7 +178,7 @@ def test_estimate_command_refuses_a_bad_value_in_one_line_naming_the_key(arg, wo
 
 
 def test_estimate_command_accepts_the_edges_of_each_range():
-    parse = _estimate_command().parse_own
+    parse = estimate_memory.parse_own
     own = {"batches": "1, 16", "sparsity": "0,1", "available_mb": "auto", "margin": "0"}
     assert parse(own) == ([1, 16], [1.0, 0.0], None, 0.0)
     assert parse({**own, "sparsity": "dense", "available_mb": "512", "margin": "0.99"}) == ([1, 16], None, 512.0,
@@ -202,7 +196,7 @@ def test_bench_memory_render_only_rewrites_the_markdown_from_the_json(tmp_path, 
     out = tmp_path / "memory"
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}))
     before = out.with_suffix(".json").read_text()
-    _script_module("bench_memory").main([f"out={out}", "render_only=true"])
+    bench_memory.main([f"out={out}", "render_only=true"])
     md = out.with_suffix(".md").read_text()
     assert out.with_suffix(".json").read_text() == before  # nothing measured, the JSON untouched
     assert "a note edited by hand" in md and "- `python scripts/bench_memory.py`" in md
@@ -213,7 +207,7 @@ def test_bench_memory_render_only_rewrites_the_markdown_from_the_json(tmp_path, 
     assert "inactive at stride 1" in md and "deeper stages' shares are those of the same mask's real blocks" in md
     assert "estimate_memory.py's sparsity=, the inactive share at every stage" in md
     with pytest.raises(SystemExit, match="error: render_only=true: .*does not exist"):
-        _script_module("bench_memory").main([f"out={tmp_path / 'none'}", "render_only=true"])
+        bench_memory.main([f"out={tmp_path / 'none'}", "render_only=true"])
 
 
 def test_bench_memory_merge_keeps_the_rows_and_machines_of_earlier_runs(tmp_path, tiny_root):
@@ -225,7 +219,7 @@ def test_bench_memory_merge_keeps_the_rows_and_machines_of_earlier_runs(tmp_path
             "commands": ["python scripts/bench_memory.py a", "python scripts/bench_memory.py b"], "notes": []}
     out = tmp_path / "memory"
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": [old_row]}))
-    _script_module("bench_memory").main([f"out={out}", f"root={tiny_root}", "bevs=small", "batches=1",
+    bench_memory.main([f"out={out}", f"root={tiny_root}", "bevs=small", "batches=1",
                                          "sparsities=dense", "modes=infer", "merge=true"])
     res = json.loads(out.with_suffix(".json").read_text())
     assert res["rows"][0] == old_row and len(res["rows"]) == 2 and res["rows"][1]["mode"] == "infer"

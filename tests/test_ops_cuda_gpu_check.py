@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import pytest
+from detector.bench import gpu_check
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
-
-
-@pytest.fixture(scope="module")
-def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _dry_run(*args: str) -> subprocess.CompletedProcess:
@@ -57,13 +48,13 @@ def test_dry_run_fails_on_a_wheels_folder_without_wheels(tmp_path):
     assert bad.returncode != 0 and "unexpected argument 'wheel=x'" in bad.stderr
 
 
-def test_script_keys_reads_the_bench_arguments(gpu_check):
-    keys = gpu_check.script_keys(ROOT / "scripts" / "bench_sparse.py")
+def test_script_keys_reads_the_bench_arguments():
+    keys = gpu_check.script_keys(ROOT / "detector" / "bench" / "sparse.py")
     assert {"out", "md", "sparsity", "quick"} <= keys
-    assert {"out", "root", "masks"} <= gpu_check.script_keys(ROOT / "scripts" / "bench_model.py")
+    assert {"out", "root", "masks"} <= gpu_check.script_keys(ROOT / "detector" / "bench" / "model.py")
 
 
-def test_run_step_passes_fails_and_kills_a_timed_out_group(gpu_check, tmp_path):
+def test_run_step_passes_fails_and_kills_a_timed_out_group(tmp_path):
     py = sys.executable
     with open(tmp_path / "log", "wb") as log:
         ok = gpu_check.run_step({"name": "ok", "cmd": [py, "-c", "print('hello')"]}, None, 30, log)
@@ -80,7 +71,7 @@ def test_run_step_passes_fails_and_kills_a_timed_out_group(gpu_check, tmp_path):
     assert (tmp_path / "log").read_text().count("=====") == 3
 
 
-def test_merge_benches_tags_rows_with_device_and_dtype(gpu_check, tmp_path):
+def test_merge_benches_tags_rows_with_device_and_dtype(tmp_path):
     steps, results = [], []
     for dtype in ("float32", "bfloat16"):
         js = tmp_path / f"sparse_gpu_{dtype}.json"

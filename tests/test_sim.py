@@ -6,13 +6,13 @@ are the same as in a full-resolution frame.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from detector.commands import make_dataset
 from detector.data.kitti import KittiRoot
 from detector.data.kitti_camera import project_to_image
 from detector.data.kitti_labels import IMAGE_SIZE
@@ -43,7 +43,6 @@ from detector.sim.sensor import (
 from detector.sim.street import Street
 from detector.sim.writer import generate_dataset, simulate_frame, write_frame
 
-ROOT = Path(__file__).resolve().parents[1]
 SPEC = LidarSpec(columns=1024)
 NOISE_BOUND = 3 * SPEC.range_noise  # range noise is clipped at ±3σ
 FLOAT_TOL = 2e-3  # float32 scene vertices and hit distances, 2-decimal label values
@@ -113,15 +112,8 @@ def test_refuses_foreign_folder_and_bad_arguments(tmp_path):
         LidarSpec(columns=0)
 
 
-def _make_dataset_main():
-    spec = importlib.util.spec_from_file_location("make_dataset", ROOT / "scripts" / "make_dataset.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.main
-
-
 def test_cli(tmp_path, capsys):
-    main = _make_dataset_main()
+    main = make_dataset.main
     with pytest.raises(SystemExit, match="out=DIR is required"):
         main([])
     with pytest.raises(SystemExit, match="frames"):

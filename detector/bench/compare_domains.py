@@ -43,7 +43,7 @@ from detector.errors import KittiFormatError
 from detector.machine import allocator_env, cpu_model
 from detector.resources import config_dir
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 USAGE = __doc__
 DEFAULTS = {
     "sim": "",
@@ -319,7 +319,3 @@ def main(argv=None) -> int:
     print(text)
     print(f"wrote {out}, {md_path} and {', '.join(map(str, plots))}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

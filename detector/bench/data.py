@@ -47,7 +47,7 @@ DEFAULTS = {
     "baseline": "",
     "rounds": 3,
 }
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # One try of the simulator in a fresh interpreter of a given source tree: prints frames/s.
 _TIME_ONE = """
 import sys, tempfile, time
@@ -309,7 +309,3 @@ def main(argv=None) -> int:
     out.with_suffix(".md").write_text(markdown(result, text))
     print(f"wrote {out} and {out.with_suffix('.md')}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

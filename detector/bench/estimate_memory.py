@@ -19,7 +19,6 @@ Measured against the allocator: benchmarks/memory_cpu.md (scripts/bench_memory.p
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
@@ -109,8 +108,3 @@ def main(argv: list[str] | None = None) -> int:
         print(one_line(e), file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    raise SystemExit(main())

@@ -41,6 +41,7 @@ from detector.eval.synthetic import synthetic_set
 from detector.machine import allocator_env, cpu_model
 
 USAGE = __doc__
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _load() -> list[float]:
@@ -51,7 +52,7 @@ def _cli(n_frames: int, dets: int, seed: int, repeats: int) -> dict:
     """Write n_frames label + result files, time scripts/kitti_eval.py on them (fresh processes)."""
     gt, dt = synthetic_set(n_frames, dets, seed=seed)
     ids = [f"{i:06d}" for i in range(n_frames)]
-    script = Path(__file__).resolve().parent / "kitti_eval.py"
+    script = REPO / "scripts" / "kitti_eval.py"
     with tempfile.TemporaryDirectory() as tmp:
         gdir, rdir = Path(tmp) / "label_2", Path(tmp) / "results"
         gdir.mkdir()
@@ -221,7 +222,3 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

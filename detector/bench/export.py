@@ -42,7 +42,7 @@ from detector.export import (
 from detector.machine import allocator_env, cpu_model
 from detector.tasks import build_datamodule, build_grid, build_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def frames(bev: str, root: str, n: int, block_size: str):
@@ -160,8 +160,8 @@ def write(out: Path, meta: dict, rows: list[dict]) -> None:
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
-def main() -> None:
-    args = parse_args(None, {"bevs": "small,kitti", "frames": 4, "reps": 5, "root": "data/sim_kitti",
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv, {"bevs": "small,kitti", "frames": 4, "reps": 5, "root": "data/sim_kitti",
                              "backends": "eager,compile,pt2,onnx", "out": "benchmarks/export_cpu",
                              "block_size": "auto"}, __doc__)
     args["backends"] = args["backends"].split(",")
@@ -184,7 +184,3 @@ def main() -> None:
             rows += bench(bev, args, Path(tmp), meta)
             write(out, meta, rows)  # after each grid: a run cut short keeps what it measured
     print(f"wrote {out}.json and {out}.md")
-
-
-if __name__ == "__main__":
-    main()

@@ -5,9 +5,10 @@
 
 For a Linux machine with an NVIDIA GPU whose ``python3`` already has a CUDA build of torch (2.4+),
 lightning, tensorboard, numpy and pytest, and no internet. It uses the interpreter it runs under for
-every step (the Makefile calls the machine's ``python3``, not .venv), and never needs open3d. Steps, each
-with its own timeout inside a total budget (default 480 s = 8 minutes); a step that times out is named
-in the summary and the later steps still run while budget is left:
+every step (the Makefile calls the machine's ``python3``, not .venv), and never needs open3d. This module
+imports only the standard library: ``scripts/gpu_check.py`` loads it by its path, without importing the
+package. Steps, each with its own timeout inside a total budget (default 480 s = 8 minutes); a step that
+times out is named in the summary and the later steps still run while budget is left:
 
 1. ``probe``   torch, CUDA, the GPU and its capability, nvcc (CUDA_HOME), the Python packages;
 2. ``wheels``  ``pip install --no-index --no-deps --target build/gpu_check/site DIR/*.whl`` (hydra-core,
@@ -29,7 +30,7 @@ status 0 when every step passed.
 
 ``--dry-run``, and any run on a machine without a CUDA GPU (or without torch), checks the CPU-side
 preparation (scripts and sources exist, wheels folder readable and holding wheels, out writable, each
-command's key=value arguments known to its script) and prints the plan; exit status 0 unless a check
+command's key=value arguments known to its benchmark module) and prints the plan; exit status 0 unless a check
 failed. tests/test_ops_cuda_gpu_check.py runs it in the default suite.
 
 Preparing the inputs here (the GPU machine has no internet; both folders are git-ignored, so name them in
@@ -57,7 +58,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WORK = REPO / "build" / "gpu_check"
 DTYPES = ("float32", "bfloat16")
 DEFAULTS = {"wheels": "", "out": str(WORK / "out"), "data": "data/gpu_check", "budget": 480}
@@ -95,7 +96,8 @@ def parse(argv: list[str]) -> tuple[dict, bool]:
 
 
 def script_keys(path: Path) -> set[str]:
-    """The key=value arguments a script takes: the string keys of its dict literals that hold ``out``."""
+    """The key=value arguments a benchmark takes (``path``: its module in detector/bench/): the string keys of
+    its dict literals that hold ``out``."""
     keys: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Dict) and all(isinstance(k, ast.Constant) for k in node.keys):
@@ -128,7 +130,7 @@ def plan(args: dict) -> list[dict]:
         steps.append({"name": f"bench_sparse[{dtype}]", "bench": "sparse", "dtype": dtype,
                       "cmd": [py, "scripts/bench_sparse.py", *base, "sparsity=0.5,0.9", "spconv=false",
                               f"out={work / f'sparse_gpu_{dtype}.json'}", f"md={work / f'sparse_gpu_{dtype}.md'}"]})
-    # the whole detector: float32 only (bfloat16 gave the same picture on the first H200 run, at 80 s a run)
+    # the whole detector: float32 only (bfloat16 shows the same picture, and a second run would not fit the budget)
     steps.append({"name": "bench_model[float32]", "bench": "model", "dtype": "float32",
                   "skip": None if has_dataset(args["data"]) else f"no dataset at data={args['data']}",
                   "cmd": [py, "scripts/bench_model.py", "device=cuda", "dtype=float32", f"root={args['data']}",
@@ -141,7 +143,8 @@ def plan(args: dict) -> list[dict]:
 def check_preparation(args: dict, steps: list[dict]) -> tuple[list[str], list[str]]:
     """CPU-side checks: (errors, warnings)."""
     errors, warnings = [], []
-    for rel in ("scripts/bench_sparse.py", "scripts/bench_model.py", "tests/test_ops_cuda.py", "kernels/ops.cpp",
+    for rel in ("scripts/bench_sparse.py", "scripts/bench_model.py", "detector/bench/sparse.py",
+                "detector/bench/model.py", "tests/test_ops_cuda.py", "kernels/ops.cpp",
                 "detector/ops/_library.py"):
         if not (REPO / rel).is_file():
             errors.append(f"{rel} is missing")
@@ -168,7 +171,7 @@ def check_preparation(args: dict, steps: list[dict]) -> tuple[list[str], list[st
         if s.get("skip"):
             warnings.append(f"{s['name']} will be skipped: {s['skip']}")
         if "bench" in s:
-            known = script_keys(REPO / s["cmd"][1])
+            known = script_keys(REPO / "detector" / "bench" / f"{s['bench']}.py")
             for a in s["cmd"][2:]:
                 key = a.partition("=")[0]
                 if key not in known:
@@ -301,7 +304,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu_check: {'all steps passed' if ok else 'FAILED'} in {summary['elapsed_s']} s; "
           f"timed out: {summary['timed_out'] or 'none'}; results in {out}")
     return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -27,7 +27,7 @@ from detector.cli import parse_args
 from detector.machine import allocator_env, cpu_model
 from detector.tasks import build_datamodule, build_grid
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 USAGE = __doc__
 DEFAULTS = {"root": "data/sim_kitti", "epochs": 3, "frames": 0, "cache_mb": 512.0,
             "out": "benchmarks/loader_cpu.json", "extra": ""}
@@ -93,7 +93,3 @@ def main(argv=None) -> int:
     out.with_suffix(".md").write_text(text)
     print(text)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

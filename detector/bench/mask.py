@@ -46,7 +46,7 @@ from detector.models.mask_quality import class_boxes, mask_quality
 from detector.tasks import build_datamodule, build_grid, build_model
 
 USAGE = __doc__
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VARIANT = re.compile(r"^c(\d+)(?:w(\d+))?(?:m(\d+(?:\.\d+)?))?$")
 
 
@@ -170,7 +170,3 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines[6:]))
     print(f"wrote {out}, {out.with_suffix('.md')}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -38,7 +38,7 @@ from detector.machine import allocator_env, cpu_model
 from detector.memory import MB, estimate, measure_peak, tensor_bytes
 from detector.tasks import build_datamodule, build_grid, build_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def setup(bev: str, root: str, dense: bool):
@@ -195,7 +195,3 @@ def main(argv: list[str] | None = None) -> None:
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     out.with_suffix(".md").write_text(markdown(meta, rows))
     print(f"wrote {out}.json and {out}.md")
-
-
-if __name__ == "__main__":
-    main()

@@ -55,7 +55,7 @@ from detector.models.mask_quality import TILE_STRIDES, box_recall, class_boxes, 
 from detector.tasks import build_datamodule, build_grid, build_model, load_detector
 
 USAGE = __doc__
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PIXOR = ["model.backbone.stem_channels=32", "model.backbone.stage_units=[3,6,6,3]",
          "model.backbone.stage_channels=[96,192,256,384]", "model.backbone.bottleneck=true",
          "model.neck_channels=128", "model.head_channels=96"]
@@ -250,7 +250,3 @@ def main(argv=None) -> int:
             f"allocator {meta['env']}.\n\n" + "\n".join(md) + "\n")
         print(f"wrote {out} and {out.with_suffix('.md')}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

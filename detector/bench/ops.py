@@ -273,7 +273,3 @@ def main(argv=None) -> None:
     }, indent=2) + "\n")
     args.out.with_suffix(".md").write_text("\n".join(table) + "\n")
     print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
-
-
-if __name__ == "__main__":
-    main()

@@ -20,7 +20,6 @@ self device time and by self host time of one profiled run. On a machine without
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import torch
 
 from detector.cli import parse_args
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaMemcpyAsync", "cudaEventSynchronize")
 
@@ -154,7 +153,3 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text("\n".join(md) + "\n")
     print(f"wrote {out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -45,7 +45,7 @@ import numpy as np
 
 from detector.cli import parse_args
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BANDS = (("0-20", 0.0, 20.0), ("20-40", 20.0, 40.0), ("40+", 40.0, np.inf), ("within 40", 0.0, 40.0))
 IOUS = (0.5, 0.7)
 IMAGE_SCORE = 0.3
@@ -381,9 +381,3 @@ def main(argv=None) -> int:
     out.with_suffix(".md").write_text(md)
     print(md)
     return 0
-
-
-if __name__ == "__main__":
-    from detector.errors import run_cleanly
-
-    sys.exit(run_cleanly(main))

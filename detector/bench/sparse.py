@@ -492,7 +492,3 @@ def main(argv: list[str] | None = None) -> None:
     command = "python scripts/bench_sparse.py " + " ".join(sys.argv[1:] if argv is None else argv)
     md.write_text(markdown(rows, command.strip()))
     print(f"wrote {out} and {md}")
-
-
-if __name__ == "__main__":
-    main()

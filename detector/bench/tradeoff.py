@@ -36,7 +36,7 @@ from detector.models.mask_quality import TILE_STRIDES, box_recall, class_boxes, 
 from detector.module import frame_records
 from detector.tasks import build_datamodule, decode_kwargs, load_detector
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def dense_twin(model, on: bool) -> None:
@@ -209,7 +209,3 @@ def main(argv=None) -> int:
         tb.add_text("tradeoff/table", "\n".join(md), 0)
     print(f"wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}, {args['tb']}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

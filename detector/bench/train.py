@@ -48,7 +48,7 @@ from pathlib import Path
 
 from detector.cli import parse_args
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # sparse: the default config (make train's run); the others: its sparse model under another mask, or the dense twin
 OVERRIDES = {"sparse": [], "dense": ["model=dense"], "road_map": ["mask=road_map"], "predicted": ["mask=predicted"],
              "ground": ["mask=ground"]}
@@ -353,7 +353,3 @@ def _write(result: dict, out: Path) -> None:
         + f"{result['load_avg_before']}, after {result['load_avg_after']})\n\n" + "\n".join(rows) + "\n\n"
         + "\n".join(notes) + "\n")
     print(out.with_suffix(".md").read_text())
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -41,7 +41,7 @@ from detector.machine import allocator_env
 USAGE = __doc__
 DEFAULTS = {"root": "", "repeats": 10, "threads": 0, "device": "cpu",
             "out": "benchmarks/voxelize_masks_cpu.json"}
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KITTI_REAL = REPO.parent / "shared" / "kitti_real"
 
 
@@ -152,7 +152,3 @@ def main(argv=None) -> int:
     out.with_suffix(".md").write_text(f"{title}\n\n{text}\n")
     print(f"wrote {out} and {out.with_suffix('.md')}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
