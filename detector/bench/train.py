@@ -9,9 +9,8 @@ sparse model under that mask); ``extra``: Hydra overrides added to every run.
 
 ``seeds=0,1,2``: every run once per seed (``seed=K``), named ``<run>@<seed>``, each compared with the dense twin
 of its own seed; the table adds each run's Car BEV AP R40 moderate and wall time over dense per seed and their
-means (``summary``). One run's AP on the 60 val frames moves with the seed alone (over seeds 0-5 make train's
-sparse run by 3 points, its twin by 2.6: benchmarks/train_sim_cpu_seeds.md), so "within 0.5 of dense" is judged on
-the means.
+means (``summary``). One run's AP on the 60 val frames moves with the seed alone (benchmarks/train_seeds/ holds
+the spread), so "within 0.5 of dense" is judged on the means.
 One after the other, the order alternates per seed (sparse, dense, dense, sparse, ...), so a steady drift of
 the machine's speed meets both alike.
 
