@@ -17,7 +17,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from detector.callbacks import AtomicCheckpointIO, LastCheckpoint, load_checkpoint
+from detector.callbacks import AtomicCheckpointIO, LastCheckpoint, init_from_checkpoint, load_checkpoint
 from detector.config import check_types
 from detector.data.datamodule import KittiDataModule
 from detector.data.kitti import KittiRoot
@@ -162,6 +162,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     grid = build_grid(cfg.bev)
     ensure_dataset(cfg.data)
     model = build_model(cfg.model, cfg.mask, grid)
+    if cfg.get("init_from"):  # a new run from a checkpoint's weights only (fine-tuning)
+        print(init_from_checkpoint(model, cfg.init_from, resume=cfg.get("ckpt_path")).line())
     sparse = bool(cfg.model.sparse)
     _warn_unused_mask(cfg)
     if cfg.get("ckpt_path"):
