@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -43,28 +44,37 @@ def build_grid(bev_cfg: DictConfig) -> BevGrid:
         raise ConfigError(f"bev: {root_cause(e)}") from None
 
 
-def build_model(model_cfg: DictConfig, mask_cfg: DictConfig, grid: BevGrid) -> BevDetector:
-    block = model_cfg.block_size
-    sparse = bool(model_cfg.sparse)
-    planner = instantiate(model_cfg.plan) if sparse and model_cfg.get("plan") is not None else None
-    backbone = instantiate(model_cfg.backbone, in_channels=grid.C, block_size=block if sparse else "dense",
-                           planner=planner)
-    coder = instantiate(model_cfg.coder, classes=list(model_cfg.classes))
-    mask_net = None
-    if sparse and mask_cfg.get("net") is not None:
+# Keys of the model config that are not the detector's arguments: its parts take classes, block_size and plan by
+# interpolation (configs/model/sparse.yaml); decode_kwargs takes the decoding settings.
+_NOT_DETECTOR_ARGS = ("classes", "block_size", "plan", "score_threshold", "nms_iou", "max_detections")
+
+
+def build_model(model_cfg: DictConfig, mask_cfg: DictConfig | None, grid: BevGrid) -> BevDetector:
+    """The detector ``model_cfg`` describes (its ``_target_``, :class:`BevDetector`, and its parts'), on ``grid``
+    (the backbone's input channels are the grid's), with ``mask_cfg``'s mask net and schedule where the model is
+    sparse: a dense one computes every cell, its mask parts are not built. An invalid schedule is one
+    :class:`ConfigError` naming its key."""
+    mask_net = schedule = None
+    if model_cfg.sparse and mask_cfg is not None and mask_cfg.net is not None:
+        if mask_cfg.schedule is None:
+            raise ConfigError("mask.schedule must say how training uses the mask net's mask (mask.net is set), "
+                              "got null")
         mask_net = instantiate(mask_cfg.net, in_channels=grid.C)
-    return BevDetector(
-        grid, backbone, coder,
-        neck_channels=model_cfg.neck_channels, head_channels=model_cfg.head_channels,
-        out_stride=model_cfg.out_stride, mask_net=mask_net,
-        train_mask_source=mask_cfg.get("train_source", "union"),
-        mask_warmup_steps=mask_cfg.get("warmup_steps", 0),
-        mask_train_threshold=mask_cfg.get("train_threshold"),
-        mask_train_threshold_steps=mask_cfg.get("train_threshold_steps", 0),
-        mask_dilation_m=model_cfg.mask_dilation_m, mask_union_dilation_m=mask_cfg.get("union_dilation_m"),
-        use_data_mask=sparse,
-        head_block_size=model_cfg.get("head_block_size", 16),
-    )
+        schedule = _instantiate_checked(mask_cfg.schedule)
+    node = {k: v for k, v in OmegaConf.to_container(model_cfg, resolve=True).items() if k not in _NOT_DETECTOR_ARGS}
+    detector = instantiate(node, _partial_=True, backbone={"in_channels": grid.C})
+    return detector(grid, mask_net=mask_net, mask_schedule=schedule)
+
+
+def _instantiate_checked(node: DictConfig) -> Any:
+    """``instantiate(node)``, raising the :class:`ConfigError` a target's own checks raised as it is (Hydra wraps
+    it), so that its message, which names the key, is the whole error."""
+    try:
+        return instantiate(node)
+    except Exception as e:
+        if isinstance(root_cause(e), ConfigError):
+            raise root_cause(e) from None
+        raise
 
 
 def decode_kwargs(model_cfg: DictConfig) -> dict[str, Any]:
@@ -112,7 +122,7 @@ def build_datamodule(data_cfg: DictConfig, mask_cfg: DictConfig | None, grid: Be
 
 
 def validate_config(cfg: DictConfig) -> None:
-    for key in ("trainer", "data", "optimizer", "scheduler", "bev", "model.backbone", "model.coder"):
+    for key in ("trainer", "data", "optimizer", "scheduler", "bev", "model", "model.backbone", "model.coder"):
         node = OmegaConf.select(cfg, key)
         if isinstance(node, DictConfig):
             check_types(node, key, skip=("batch_size",) if key == "data" else ())
@@ -125,7 +135,7 @@ def validate_config(cfg: DictConfig) -> None:
     bsz = cfg.model.block_size
     if not (bsz in ("auto", "dense") or (isinstance(bsz, int) and bsz >= 1) or OmegaConf.is_list(bsz)):
         raise ConfigError(f"model.block_size must be an int >= 1, auto, dense or a list, got {bsz!r}")
-    hbs = cfg.model.get("head_block_size", 16)
+    hbs = cfg.model.head_block_size
     if not (hbs in ("auto", "dense") or (isinstance(hbs, int) and not isinstance(hbs, bool) and hbs >= 1)):
         raise ConfigError(f"model.head_block_size must be an int >= 1, auto or dense, got {hbs!r}")
     lr = cfg.optimizer.lr
@@ -133,17 +143,8 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError(f"optimizer.lr must be a positive number, got {lr!r}")
     if not cfg.model.classes:
         raise ConfigError("model.classes must name at least one class")
-    mask = cfg.get("mask") or {}
-    for key in ("warmup_steps", "train_threshold_steps"):
-        v = mask.get(key, 0)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ConfigError(f"mask.{key} must be an integer >= 0, got {v!r}")
-    u = mask.get("union_dilation_m")
-    if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not u >= 0):
-        raise ConfigError(f"mask.union_dilation_m must be null or a number >= 0, got {u!r}")
-    t = mask.get("train_threshold")
-    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1):
-        raise ConfigError(f"mask.train_threshold must be null or a number in (0, 1), got {t!r}")
+    if (schedule := OmegaConf.select(cfg, "mask.schedule")) is not None:
+        _instantiate_checked(schedule)  # MaskSchedule checks its values
 
 
 # --------------------------------------------------------------------------------------------------
@@ -318,6 +319,36 @@ def _flat_hparams(config: dict, prefix: str = "") -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 # Classes a saved config may name by the path they had when the checkpoint was written.
 _MOVED_TARGETS = {"detector.data.voxelize.BevGrid": "detector.geometry.voxelize.BevGrid"}
+# A mask config saved before ``mask.schedule``: its schedule's keys beside ``net``, and what build_model then took
+# for one the config did not hold.
+_OLD_SCHEDULE = {"train_source": "union", "warmup_steps": 0, "train_threshold": None, "train_threshold_steps": 0,
+                 "union_dilation_m": None}
+
+
+def current_layout(saved: dict) -> dict:
+    """A checkpoint's saved config in today's layout, so that a checkpoint written before a change of layout builds
+    the model it trained: a class that moved (:data:`_MOVED_TARGETS`); a model node without ``_target_`` (the
+    detector was assembled in code, which gave the backbone ``block_size`` and ``plan`` - ``dense`` and none for a
+    dense model - the coder ``classes``, and took ``head_block_size`` 16 where the config had none); mask settings
+    beside ``net`` instead of in ``mask.schedule`` (:data:`_OLD_SCHEDULE`). Today's layout is returned as it is."""
+    cfg = copy.deepcopy(saved)
+    bev = cfg.get("bev")
+    if isinstance(bev, dict) and bev.get("_target_") in _MOVED_TARGETS:
+        bev["_target_"] = _MOVED_TARGETS[bev["_target_"]]
+    model = cfg.get("model")
+    if isinstance(model, dict) and "_target_" not in model:
+        sparse = bool(model["sparse"])
+        model["_target_"] = "detector.models.detector.BevDetector"
+        model.setdefault("head_block_size", 16)
+        model["backbone"] = {**model["backbone"], "block_size": model["block_size"] if sparse else "dense",
+                             "planner": model.get("plan") if sparse else None}
+        model["coder"] = {**model["coder"], "classes": list(model["classes"])}
+    mask = cfg.get("mask")
+    if isinstance(mask, dict) and "schedule" not in mask:
+        old = {k: mask.pop(k, default) for k, default in _OLD_SCHEDULE.items()}
+        schedule = {"_target_": "detector.models.mask_schedule.MaskSchedule", **old}
+        mask["schedule"] = schedule if mask.get("net") else None
+    return cfg
 
 
 # a mask net's settings that do not change its weights: how its prediction is thresholded and dilated
@@ -354,9 +385,7 @@ def load_detector(ckpt_path: str | Path, mask_override: str | DictConfig | None 
     saved = ckpt.get("hyper_parameters", {}).get("config")
     if not saved:
         raise ConfigError(f"{ckpt_path}: checkpoint has no saved config (was it written by scripts/train.py?)")
-    cfg = OmegaConf.create(saved)
-    if cfg.get("bev", {}).get("_target_") in _MOVED_TARGETS:  # a checkpoint written before the class moved
-        cfg.bev._target_ = _MOVED_TARGETS[cfg.bev._target_]
+    cfg = OmegaConf.create(current_layout(saved))
     if isinstance(mask_override, DictConfig):
         cfg.mask = mask_override
     elif mask_override is not None:

@@ -14,6 +14,7 @@ from detector.geometry.iou import bev_iou
 from detector.geometry.voxelize import BevGrid
 from detector.models.detector import BevDetector
 from detector.models.mask_net import MaskNet
+from detector.models.mask_schedule import MaskSchedule
 from detector.models.nms import rotated_nms
 from detector.models.targets import BoxCoder
 from detector.nn.resnet import SparseResNet
@@ -102,8 +103,11 @@ def _model(mask_net=None, block=8, head_block=16) -> BevDetector:
     torch.manual_seed(0)
     backbone = SparseResNet(GRID.C, stem_channels=8, stage_units=(1, 1, 1), stage_channels=(8, 12, 16),
                             stage_strides=(2, 2, 2), bottleneck=False, block_size=block)
-    return BevDetector(GRID, backbone, BoxCoder(["Car"]), neck_channels=8, head_channels=8, out_stride=4,
-                       mask_net=mask_net, head_block_size=head_block)
+    schedule = None if mask_net is None else MaskSchedule(train_source="union", warmup_steps=0, train_threshold=None,
+                                                           train_threshold_steps=0, union_dilation_m=None)
+    return BevDetector(GRID, backbone=backbone, coder=BoxCoder(["Car"]), neck_channels=8, head_channels=8,
+                       out_stride=4, head_block_size=head_block, mask_dilation_m=2.0, sparse=True, mask_net=mask_net,
+                       mask_schedule=schedule)
 
 
 def _batch(n=2, seed=0) -> Batch:
@@ -225,7 +229,8 @@ def test_overfit_one_simulated_frame(sim_frame):
     torch.manual_seed(0)
     backbone = SparseResNet(GRID.C, stem_channels=16, stage_units=(1, 1, 1), stage_channels=(24, 32, 48),
                             stage_strides=(2, 2, 2), bottleneck=False, block_size=16)
-    model = BevDetector(GRID, backbone, BoxCoder(["Car"]), neck_channels=32, head_channels=32, out_stride=4)
+    model = BevDetector(GRID, backbone=backbone, coder=BoxCoder(["Car"]), neck_channels=32, head_channels=32,
+                        out_stride=4, head_block_size=16, mask_dilation_m=2.0, sparse=True)
     batch = collate_frames([sim_frame])
     cars = sim_frame.gt_boxes[torch.from_numpy(sim_frame.gt_names == "Car")]
     c = cars.tensor

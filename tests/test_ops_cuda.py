@@ -237,7 +237,8 @@ def _small_detector_and_batch(device):
     torch.manual_seed(0)
     backbone = SparseResNet(grid.C, stem_channels=8, stage_units=(1, 1, 1), stage_channels=(8, 12, 16),
                             stage_strides=(2, 2, 2), bottleneck=False, block_size=8)
-    model = BevDetector(grid, backbone, BoxCoder(["Car"]), neck_channels=8, head_channels=8, out_stride=4)
+    model = BevDetector(grid, backbone=backbone, coder=BoxCoder(["Car"]), neck_channels=8, head_channels=8,
+                        out_stride=4, head_block_size=16, mask_dilation_m=2.0, sparse=True)
     rng = np.random.default_rng(0)
     boxes = Boxes3D(torch.tensor([[8.0, 2.0, -0.9, 4.0, 1.7, 1.5, 0.4], [18.0, -5.0, -0.8, 3.8, 1.6, 1.45, -2.0]]))
     frames = []

@@ -189,8 +189,9 @@ def test_readme_default_run_trains_the_mask_net_on_its_own_prediction(tmp_path, 
     GlobalHydra.instance().clear()
     with initialize_config_dir(str(CONFIGS), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
-        union_cfg = compose("train", overrides=[*overrides, "mask.train_source=union"])
-    assert cfg.mask.net._target_.endswith("MaskNet") and cfg.mask.train_source == "predicted" and cfg.data.augment
+        union_cfg = compose("train", overrides=[*overrides, "mask.schedule.train_source=union"])
+    assert cfg.mask.net._target_.endswith("MaskNet") and cfg.data.augment
+    assert cfg.mask.schedule.train_source == "predicted"
     grid = build_grid(cfg.bev)
     batch = next(iter(build_datamodule(cfg.data, cfg.mask, grid, sparse=True).train_dataloader()))
     assert batch.mask is None  # no data-side mask: the network's
@@ -232,7 +233,7 @@ def test_readme_default_run_trains_the_mask_net_on_its_own_prediction(tmp_path, 
     assert torch.equal(out_union.mask, torch.maximum(expected, objects.float()))
     # Rule (configs/mask/predicted.yaml): the first warmup_steps optimizer steps (global steps 0 .. warmup_steps - 1)
     # train on the union whatever train_source says; from then on the prediction alone; evaluation never adds boxes
-    w = cfg.mask.warmup_steps
+    w = cfg.mask.schedule.warmup_steps
     assert w > 0
     with torch.no_grad():
         assert torch.equal(model(batch, step=0).mask, out_union.mask)
@@ -250,8 +251,8 @@ def test_mask_train_threshold_phase_then_the_inference_threshold(tmp_path, tiny_
     """Rule (configs/mask/predicted.yaml): the first ``train_threshold_steps`` optimizer steps (global steps
     0 .. train_threshold_steps - 1) threshold the mask net's probabilities at ``train_threshold``; later steps and
     evaluation at ``net.threshold``. Built from the config the README's run uses, with the warm-up off."""
-    cfg = _cfg(tmp_path, tiny_root, "mask.warmup_steps=0", "mask.net.threshold=0.4", "mask.train_threshold=0.6",
-               "mask.train_threshold_steps=5", "mask.net.dilation=0")
+    cfg = _cfg(tmp_path, tiny_root, "mask.schedule.warmup_steps=0", "mask.net.threshold=0.4",
+               "mask.schedule.train_threshold=0.6", "mask.schedule.train_threshold_steps=5", "mask.net.dilation=0")
     grid = build_grid(cfg.bev)
     batch = next(iter(build_datamodule(cfg.data, cfg.mask, grid, sparse=True).train_dataloader()))
     torch.manual_seed(0)
@@ -281,8 +282,8 @@ def test_mask_train_threshold_phase_then_the_inference_threshold(tmp_path, tiny_
         assert 0 < rule(0.6).sum() < rule(0.4).sum() < p.numel() * d * d
         assert torch.equal(model(batch, step=0).mask, rule(0.4))
     for key, bad in (("train_threshold", 1.5), ("train_threshold", "0.3"), ("train_threshold_steps", -1)):
-        broken = OmegaConf.merge(cfg, {"mask": {key: bad}})
-        with pytest.raises(ConfigError, match=rf"^mask\.{key} must be"):
+        broken = OmegaConf.merge(cfg, {"mask": {"schedule": {key: bad}}})
+        with pytest.raises(ConfigError, match=rf"^mask\.schedule\.{key} must be"):
             validate_config(broken)
 
 
@@ -293,8 +294,8 @@ def test_mask_union_dilation_sets_the_ground_truth_part_of_the_union(tmp_path, t
     from detector.geometry.box_masks import boxes_mask
     from detector.models.mask_quality import class_boxes
 
-    base = ["mask.warmup_steps=0", "mask.train_source=union", "model.mask_dilation_m=1.0"]
-    cfg0 = _cfg(tmp_path, tiny_root, *base, "mask.union_dilation_m=0")
+    base = ["mask.schedule.warmup_steps=0", "mask.schedule.train_source=union", "model.mask_dilation_m=1.0"]
+    cfg0 = _cfg(tmp_path, tiny_root, *base, "mask.schedule.union_dilation_m=0")
     cfg_null = _cfg(tmp_path, tiny_root, *base)
     grid = build_grid(cfg0.bev)
     batch = next(iter(build_datamodule(cfg0.data, cfg0.mask, grid, sparse=True).train_dataloader()))
@@ -312,8 +313,8 @@ def test_mask_union_dilation_sets_the_ground_truth_part_of_the_union(tmp_path, t
     assert out0.mask.sum() < out_null.mask.sum()
     d = cfg0.mask.net.downsample  # the mask net's target: model.mask_dilation_m either way
     assert torch.equal(model0.object_mask(batch, d), boxes_mask(cars, grid, 1.0, downsample=d))
-    broken = OmegaConf.merge(cfg0, {"mask": {"union_dilation_m": -1}})
-    with pytest.raises(ConfigError, match=r"^mask\.union_dilation_m must be"):
+    broken = OmegaConf.merge(cfg0, {"mask": {"schedule": {"union_dilation_m": -1}}})
+    with pytest.raises(ConfigError, match=r"^mask\.schedule\.union_dilation_m must be"):
         validate_config(broken)
 
 
@@ -336,8 +337,8 @@ def test_resume_continues_exactly(tmp_path, tiny_root):
     """4 steps straight == 2 steps, stop, resume from the step-2 checkpoint, 2 more steps; the mask's warm-up and
     its training-threshold phase end after step 3, in the resumed part (the step they count is restored with the
     checkpoint)."""
-    common = ["trainer.max_steps=4", "mask.warmup_steps=3", "mask.train_threshold=0.6",
-              "mask.train_threshold_steps=3", "trainer.max_epochs=-1",
+    common = ["trainer.max_steps=4", "mask.schedule.warmup_steps=3", "mask.schedule.train_threshold=0.6",
+              "mask.schedule.train_threshold_steps=3", "trainer.max_epochs=-1",
               "callbacks.model_checkpoint.monitor=null",
               "callbacks.model_checkpoint.every_n_train_steps=2", "callbacks.model_checkpoint.save_top_k=-1",
               "evaluate_after=false", "logger=none", "trainer.limit_val_batches=0", "data.batch_size=1"]
@@ -380,6 +381,7 @@ def _run_script(*args: str, timeout: float = 120) -> subprocess.CompletedProcess
         ("bev.x_range=[0,0.05]", "zero cells"),
         ("bev.resolution=0", "resolution must be positive"),
         ("trainer.max_epochs=abc", "trainer.max_epochs='abc': expected int or null"),
+        ("mask.schedule.warmup_steps=-1", "mask.schedule.warmup_steps must be an integer >= 0, got -1"),
     ],
 )
 def test_bad_config_fails_at_start_with_one_line(tmp_path, tiny_root, override, message):
@@ -404,6 +406,9 @@ def test_bad_config_fails_at_start_with_one_line(tmp_path, tiny_root, override, 
         ("optimizer.lr=0", "optimizer.lr must be a positive number, got 0"),
         ("optimizer.lr=fast", "optimizer.lr must be a positive number, got 'fast'"),
         ("model.classes=[]", "model.classes must name at least one class"),
+        ("model.neck_channels=wide", "model.neck_channels='wide': expected int"),
+        ("mask.schedule.warmup_steps=-1", "mask.schedule.warmup_steps must be an integer >= 0, got -1"),
+        ("mask.schedule.train_source=both", "mask.schedule.train_source must be gt, predicted or union, got 'both'"),
         ("trainer.max_epochs=abc", "trainer.max_epochs='abc': expected int or null"),
         ("trainer.precision=7", "trainer.precision=7: expected 64 or 32 or 16"),
         ("trainer.gradient_clip_val=high", "trainer.gradient_clip_val='high': expected float or int or null"),

@@ -5,9 +5,9 @@ dense (``mask=None``); where the mask comes from:
 
 - a data-side provider (road map, ground plane) puts it in ``Batch.mask``;
 - a :class:`~detector.models.mask_net.MaskNet` (``mask_net``) predicts it from the BEV input; in
-  training the computation mask is the ground truth's, the prediction's, or their union
-  (``train_mask_source``; the union during the first ``mask_warmup_steps`` training steps whatever it says),
-  and the mask network learns from the dilated ground-truth boxes;
+  training the computation mask is the ground truth's, the prediction's, or their union, as its
+  :class:`~detector.models.mask_schedule.MaskSchedule` says step by step, and the mask network learns from the
+  dilated ground-truth boxes;
 - neither: dense.
 """
 
@@ -29,6 +29,7 @@ from detector.models.head import DetectionHead
 from detector.models.losses import LossTerms, detection_loss, mask_loss
 from detector.models.mask_net import MaskNet
 from detector.models.mask_quality import class_boxes
+from detector.models.mask_schedule import MaskSchedule
 from detector.models.targets import BoxCoder
 from detector.nn.chain import SparseConvChain
 from detector.nn.plan import AUTO, DENSE, Plan, check_setting, measure
@@ -103,35 +104,50 @@ class DetectorOutput:
 
 
 class BevDetector(nn.Module):
+    """The detector: voxelize, computation mask, sparse backbone, top-down neck, dense head (module docstring).
+
+    Built from ``configs/model`` by :func:`detector.tasks.build_model` (``_target_``), which passes the parts the
+    other config groups decide: the grid (``bev``), the mask network and its schedule (``mask``).
+
+    Args:
+        grid: the BEV grid the points are voxelized into.
+        backbone: the sparse ResNet; its tiles, tolerance and memory budget are the neck's and head's too.
+        coder: the box coder: the classes, the heatmap targets and the box encoding.
+        neck_channels: channels of the top-down neck.
+        head_channels: channels of the head's tower.
+        out_stride: the neck's and head's stride (the heatmap has ``grid.H / out_stride`` rows).
+        head_block_size: output tile of the neck's and head's sparse 3x3 convs: an int, ``auto`` (the plan) or
+            ``dense``.
+        mask_dilation_m: metres the mask network's target reaches beyond each box of ``coder.classes``.
+        sparse: use a computation mask (the batch's, or ``mask_net``'s); False: the dense twin, every cell computed.
+        mask_net: predicts the computation mask from the BEV input; None: the batch's mask, if any.
+        mask_schedule: how training uses ``mask_net``'s mask (required with ``mask_net``).
+        mask_loss_kind: the mask network's loss (:func:`detector.models.losses.mask_loss`).
+        mask_loss_weight: its weight in the total loss.
+    """
+
     def __init__(
         self,
         grid: BevGrid,
+        *,
         backbone: SparseResNet,
         coder: BoxCoder,
-        neck_channels: int = 96,
-        head_channels: int = 64,
-        out_stride: int = 4,
+        neck_channels: int,
+        head_channels: int,
+        out_stride: int,
+        head_block_size: int | str,
+        mask_dilation_m: float,
+        sparse: bool,
         mask_net: MaskNet | None = None,
-        train_mask_source: str = "union",
-        mask_warmup_steps: int = 0,
-        mask_train_threshold: float | None = None,
-        mask_train_threshold_steps: int = 0,
-        mask_dilation_m: float = 2.0,
-        mask_union_dilation_m: float | None = None,
+        mask_schedule: MaskSchedule | None = None,
         mask_loss_kind: str = "focal",
         mask_loss_weight: float = 1.0,
-        use_data_mask: bool = True,
-        head_block_size: int | str = 16,
     ):
         super().__init__()
-        if train_mask_source not in ("gt", "predicted", "union"):
-            raise ValueError(f"train_mask_source must be gt, predicted or union, got {train_mask_source!r}")
-        if mask_warmup_steps < 0:
-            raise ValueError(f"mask_warmup_steps must be >= 0, got {mask_warmup_steps}")
-        if mask_train_threshold_steps < 0:
-            raise ValueError(f"mask_train_threshold_steps must be >= 0, got {mask_train_threshold_steps}")
-        if mask_train_threshold is not None and not 0 < mask_train_threshold < 1:
-            raise ValueError(f"mask_train_threshold must be in (0, 1), got {mask_train_threshold}")
+        if mask_net is not None and mask_schedule is None:
+            raise ValueError("BevDetector: a mask_net needs a mask_schedule (how training uses its mask)")
+        if mask_net is not None and not sparse:
+            raise ValueError("BevDetector: a dense detector (sparse=False) computes every cell: no mask_net")
         if grid.H % out_stride or grid.W % out_stride:
             raise ValueError(f"BEV grid {grid.H}x{grid.W} is not divisible by the head's stride {out_stride}")
         self.grid = grid
@@ -144,16 +160,26 @@ class BevDetector(nn.Module):
         self.neck = TopDownNeck(backbone.out_channels, backbone.strides, out_stride, neck_channels, **sparse_args)
         self.head = DetectionHead(neck_channels, coder.num_classes, head_channels, **sparse_args)
         self.mask_net = mask_net
-        self.train_mask_source = train_mask_source
-        self.mask_warmup_steps = mask_warmup_steps
-        self.mask_train_threshold = mask_train_threshold
-        self.mask_train_threshold_steps = mask_train_threshold_steps
+        self.mask_schedule = mask_schedule
         self.mask_dilation_m = mask_dilation_m
-        self.mask_union_dilation_m = mask_dilation_m if mask_union_dilation_m is None else mask_union_dilation_m
         self.mask_loss_kind = mask_loss_kind
         self.mask_loss_weight = mask_loss_weight
-        self.use_data_mask = use_data_mask
+        self.use_data_mask = sparse  # an attribute: the benchmarks switch a sparse detector's masks off and on
         self.timing = False  # record per-stage wall times (synchronizes on CUDA)
+
+    def extra_repr(self) -> str:
+        g = self.grid
+        mask = ("mask_net" if self.mask_net is not None else "the batch's mask") if self.use_data_mask else "dense"
+        text = (f"grid={g.H}x{g.W} cells of {g.resolution:g} m, {g.C} channels, classes={list(self.coder.classes)}, "
+                f"mask={mask}, head_block_size={self.head_block_size}")
+        return text + (f",\nmask_schedule={self.mask_schedule}" if self.mask_schedule is not None else "")
+
+    @property
+    def mask_union_dilation_m(self) -> float:
+        """Metres the ground-truth part of the training mask reaches beyond each box (the schedule's, else
+        ``mask_dilation_m``)."""
+        u = None if self.mask_schedule is None else self.mask_schedule.union_dilation_m
+        return self.mask_dilation_m if u is None else u
 
     # --- forward ------------------------------------------------------------------------------------
     def _tick(self, times: dict, key: str, t0: float) -> float:
@@ -169,26 +195,8 @@ class BevDetector(nn.Module):
         bev, _ = voxelize(batch.points, batch.size, self.grid)
         return bev
 
-    def train_mask_source_at(self, step: int | None) -> str:
-        """The computation mask's source in training at optimizer step ``step`` (None: past any warm-up): the
-        union with the ground truth during the first ``mask_warmup_steps`` - the mask net's first predictions are
-        empty (its bias starts at p = 0.12 < any threshold), and until it finds the objects a detector trained on
-        its prediction alone would see almost nothing - then ``train_mask_source``."""
-        if self.train_mask_source == "predicted" and step is not None and step < self.mask_warmup_steps:
-            return "union"
-        return self.train_mask_source
-
-    def mask_threshold_at(self, step: int | None) -> float | None:
-        """The mask network's threshold at training step ``step`` (None: the network's own, the inference one):
-        ``mask_train_threshold`` during the first ``mask_train_threshold_steps`` steps - cheaper steps at a tighter
-        mask while the detector learns - then the network's, so that the weights end trained at the coverage they
-        are evaluated at (weights trained at a looser threshold lose AP evaluated at a tighter one: docs/speed.md)."""
-        if self.mask_train_threshold is not None and step is not None and step < self.mask_train_threshold_steps:
-            return self.mask_train_threshold
-        return None
-
     def forward(self, batch: Batch, bev: torch.Tensor | None = None, step: int | None = None) -> DetectorOutput:
-        """``step``: the optimizer step in training (the mask's warm-up, :meth:`train_mask_source_at`)."""
+        """``step``: the optimizer step in training (the mask's phases, :class:`MaskSchedule`)."""
         times: dict[str, float] = {}
         t = self._tick(times, "start", time.perf_counter())
         if bev is None:
@@ -197,9 +205,9 @@ class BevDetector(nn.Module):
         mask, mask_logits = None, None
         if self.mask_net is not None:
             mask_logits = self.mask_net(bev)
-            threshold = self.mask_threshold_at(step) if self.training else None
+            threshold = self.mask_schedule.threshold_at(step) if self.training else None
             mask = self.mask_net.computation_mask(mask_logits, bev.shape[-2:], threshold)
-            source = self.train_mask_source_at(step) if self.training else "predicted"
+            source = self.mask_schedule.source_at(step) if self.training else "predicted"
             if source != "predicted":
                 gt = self.object_mask(batch, downsample=1, dilation_m=self.mask_union_dilation_m).to(bev)
                 mask = gt if source == "gt" else torch.maximum(mask, gt)
