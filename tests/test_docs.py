@@ -188,3 +188,15 @@ def test_no_dates_in_the_readme_configs_or_code():
     dated = [f"{_rel(p)}:{i}" for p in files for i, line in enumerate(p.read_text().splitlines(), 1)
              if date.search(line)]
     assert not dated, f"dates in {dated}: move the record to docs/speed.md or benchmarks/, say why instead"
+
+
+def test_benchmarks_readme_indexes_every_result():
+    """benchmarks/README.md names every file and folder of benchmarks/, and every result (.json/.md) of a study folder
+    that has no README of its own."""
+    bench = REPO / "benchmarks"
+    index = (bench / "README.md").read_text()
+    missing = [p.name for p in bench.iterdir() if p.name != "README.md" and f"]({p.name}" not in index]
+    for folder in (p for p in bench.iterdir() if p.is_dir() and not (p / "README.md").is_file()):
+        missing += [f"{folder.name}/{f.name}" for f in folder.iterdir()
+                    if f.suffix in (".json", ".md") and f"]({folder.name}/{f.name})" not in index]
+    assert not missing, f"benchmarks/README.md does not index: {sorted(missing)}"
