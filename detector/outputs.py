@@ -1,13 +1,18 @@
-"""Output paths checked before the work starts, and run folders claimed once.
+"""Outputs: paths checked before the work starts, run folders claimed once, files written whole or not at all.
 
 A command that writes a file or folder checks here first that it can: a path that cannot be written then costs
-one line naming the key, not a traceback after the whole job ran. This module imports only the error types.
+one line naming the key, not a traceback after the whole job ran. A file is written to a temporary name beside it
+and moved into place, so a reader (or a run stopped half way) never sees half a file. This module imports only the
+error types.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from detector.errors import ConfigError
@@ -71,3 +76,37 @@ def claim_dir(path: str | Path) -> bool:
     except FileExistsError:
         return False
     return True
+
+
+@contextmanager
+def atomic_path(path: str | Path, durable: bool = False, keep_suffix: bool = True) -> Iterator[Path]:
+    """A temporary, hidden path in ``path``'s folder to write to; moved onto ``path`` when the block succeeds,
+    removed when it raises. ``keep_suffix``: the temporary name ends in ``path``'s suffix (writers that pick the
+    format by the extension still work), else in ``.tmp`` (a ``*.ckpt`` listing never sees a half-written one).
+    ``durable``: the file and the folder's entry are flushed to the disk too (it survives a power cut as old or
+    new)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
+                         + (path.suffix if keep_suffix else ""))
+    try:
+        yield tmp
+        if not tmp.is_file():  # a writer that reports failure by writing nothing (open3d's)
+            raise OSError(f"{path}: nothing was written")
+        if durable:
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+        if durable:
+            dir_fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """``path.write_text(text)``, whole or not at all."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)

@@ -30,11 +30,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("detector.data",),  # KITTI files, frames and batches, datasets, augmentation, masks from data, loaders
     ("detector.sim",),  # the LiDAR simulator: writes KITTI-format data
     ("detector.models",),  # the detector: plain nn.Modules
-    # the KITTI metric; BEV pictures; the inference network as a .pt2 / ONNX program; memory estimates; a checkpoint
-    # run on frames (predict)
-    ("detector.eval", "detector.viz", "detector.export", "detector.memory", "detector.predict"),
+    # the KITTI metric; BEV pictures; the inference network as a .pt2 / ONNX program; memory estimates
+    ("detector.eval", "detector.viz", "detector.export", "detector.memory"),
     ("detector.module", "detector.callbacks", "detector.batch_size"),  # Lightning plumbing
-    ("detector.tasks",),  # train(cfg) / evaluate(cfg)
+    ("detector.tasks", "detector.predict"),  # train(cfg) / evaluate(cfg); a checkpoint run on frames (predict)
     ("detector.commands",),  # the command-line programs
     ("detector.bench",),  # the benchmarks and measuring tools behind scripts/ (nothing of ours imports them)
 ]

@@ -49,8 +49,7 @@ import numpy as np
 
 from detector.cli import parse_args
 from detector.errors import ConfigError, KittiFormatError, run_cleanly
-from detector.files import atomic_path, write_text_atomic
-from detector.outputs import writable_dir
+from detector.outputs import atomic_path, writable_dir, write_text_atomic
 
 USAGE = __doc__
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +22,7 @@ from detector.data.kitti import KittiRoot
 from detector.data.kitti_labels import difficulty as label_difficulty
 from detector.errors import KittiFormatError
 from detector.geometry.boxes import points_in_boxes_sparse
+from detector.outputs import atomic_path
 from detector.resources import cache_dir as user_cache_dir
 
 log = logging.getLogger(__name__)
@@ -106,16 +105,9 @@ class GtDatabase:
     def save(self, path: str | Path) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, boxes=self.boxes, names=self.names, difficulty=self.difficulty,
-                         frame_ids=self.frame_ids, points=self.points, offsets=self.offsets,
-                         fingerprint=np.asarray(self.fingerprint))
-            os.replace(tmp, path)  # atomic: a concurrent reader (or writer) never sees half a file
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_path(path) as tmp:  # a concurrent reader (or writer) never sees half a file
+            np.savez(tmp, boxes=self.boxes, names=self.names, difficulty=self.difficulty, frame_ids=self.frame_ids,
+                     points=self.points, offsets=self.offsets, fingerprint=np.asarray(self.fingerprint))
 
     @classmethod
     def load(cls, path: str | Path) -> GtDatabase:

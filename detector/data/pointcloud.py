@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from detector.errors import KittiFormatError
-from detector.files import atomic_path
+from detector.outputs import atomic_path
 
 if TYPE_CHECKING:  # pragma: no cover
     from detector.geometry.voxelize import BevGrid
