@@ -1,4 +1,5 @@
-"""Training plumbing: exact RNG resume, ``last.ckpt`` at every checkpoint event, atomic weights-only checkpoints."""
+"""Training plumbing: exact RNG resume, ``last.ckpt`` at every checkpoint event, atomic weights-only checkpoints,
+a run started from a checkpoint's weights (``init_from``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pickle
 import random
 import re
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from detector.errors import CheckpointError
+from detector.errors import CheckpointError, ConfigError
 from detector.outputs import atomic_path
 
 
@@ -132,3 +134,73 @@ def load_checkpoint(path, map_location: Any = "cpu") -> dict[str, Any]:
     except Exception as e:  # a damaged archive: torch raises RuntimeError with long texts
         first = str(e).strip().split(". ")[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{path}: refused to load: the checkpoint is damaged ({first})") from None
+
+
+@dataclass
+class InitFrom:
+    """What :func:`init_from_checkpoint` did: the model's tensors it loaded from the checkpoint (``loaded``), those
+    that kept their fresh initialisation because the checkpoint has no tensor of that name (``missing``) or one of
+    another shape (``reshaped``: name, checkpoint's shape, model's shape), and the checkpoint's tensors the model
+    has no place for (``unused``)."""
+
+    path: str
+    loaded: list[str]
+    missing: list[str]
+    reshaped: list[tuple[str, tuple[int, ...], tuple[int, ...]]]
+    unused: list[str]
+
+    @property
+    def fresh(self) -> list[str]:
+        """The model's tensors that kept their fresh initialisation."""
+        return sorted([*self.missing, *(name for name, _, _ in self.reshaped)])
+
+    def line(self, first: int = 4) -> str:
+        """The one line a run prints: counts, and the first ``first`` names of each kind."""
+        total = len(self.loaded) + len(self.fresh)
+        parts = [f"init_from={self.path}: loaded {len(self.loaded)} of the model's {total} tensors (weights only: "
+                 "a fresh optimizer, schedule and step)"]
+        if self.reshaped:
+            shown = ", ".join(f"{n} {list(a)}->{list(b)}" for n, a, b in self.reshaped[:first])
+            parts.append(f"{len(self.reshaped)} of another shape kept fresh ({shown}"
+                         + (", ..." if len(self.reshaped) > first else "") + ")")
+        if self.missing:
+            parts.append(f"{len(self.missing)} not in the checkpoint kept fresh ({', '.join(self.missing[:first])}"
+                         + (", ..." if len(self.missing) > first else "") + ")")
+        if self.unused:
+            parts.append(f"{len(self.unused)} of the checkpoint unused ({', '.join(self.unused[:first])}"
+                         + (", ..." if len(self.unused) > first else "") + ")")
+        return "; ".join(parts)
+
+
+def init_from_checkpoint(model: torch.nn.Module, path: str | Path, resume: str | Path | None = None) -> InitFrom:
+    """Start ``model`` from the weights of the checkpoint at ``path`` (``init_from=``; loaded weights-only by
+    :func:`load_checkpoint`): each tensor of its ``state_dict`` (``model.`` prefix) whose name and shape match one of
+    the model's is copied in; the others (e.g. a head for other classes) keep their fresh initialisation. Nothing
+    else of the checkpoint is used - not its optimizer, schedule, step or epoch (that is resuming, ``ckpt_path=``).
+
+    One-line errors: a checkpoint that cannot be loaded (:class:`CheckpointError`), ``resume`` given too, or no
+    tensor of the checkpoint fitting the model (:class:`ConfigError`)."""
+    if resume:
+        raise ConfigError(f"init_from={path} and ckpt_path={resume}: give one - init_from starts a new run from a "
+                          "checkpoint's weights, ckpt_path resumes a run (its optimizer, schedule and step too)")
+    try:
+        ckpt = load_checkpoint(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"init_from={e}") from None
+    saved = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"init_from={path}: not a training checkpoint (no state_dict; was it written by "
+                          "scripts/train.py?)")
+    state = {k.removeprefix("model."): v for k, v in saved.items() if k.startswith("model.")}
+    own = model.state_dict()
+    loaded = [k for k in own if k in state and tuple(state[k].shape) == tuple(own[k].shape)]
+    reshaped = [(k, tuple(state[k].shape), tuple(own[k].shape)) for k in own
+                if k in state and tuple(state[k].shape) != tuple(own[k].shape)]
+    missing = [k for k in own if k not in state]
+    unused = [k for k in state if k not in own]
+    if not loaded:
+        raise ConfigError(f"init_from={path}: no tensor of the checkpoint fits this model (names and shapes differ "
+                          f"everywhere: {len(reshaped)} of another shape, {len(missing)} absent): was it trained "
+                          "with another bev, model or mask?")
+    model.load_state_dict({k: state[k] for k in loaded}, strict=False)
+    return InitFrom(str(path), loaded, missing, reshaped, unused)
