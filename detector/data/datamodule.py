@@ -1,4 +1,4 @@
-"""LightningDataModule over a KITTI-format root, with a sampler that resumes mid-epoch exactly.
+"""LightningDataModule over a dataset root (KITTI-format or LiDAR-only), with a sampler that resumes mid-epoch exactly.
 
 Randomness: the train order is a permutation drawn from (seed, epoch); a frame's augmentation draws from
 (seed, epoch, index). Both are independent of workers, ranks and restarts, so a run resumed from a
@@ -8,7 +8,7 @@ mid-epoch checkpoint sees exactly the batches the uninterrupted run would have s
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from functools import partial
 from pathlib import Path
 
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Sampler
 
 from detector.data.dataset import KittiDataset
-from detector.data.kitti import KittiRoot
+from detector.data.lidar import open_root
 from detector.data.masks import RoadMapMask
 from detector.data.structures import Batch, Frame, collate_frames
 from detector.errors import ConfigError, KittiFormatError
@@ -107,11 +107,29 @@ def collate(frames: list[Frame], mask_provider=None, grid: BevGrid | None = None
     return batch
 
 
+def _min_overlaps(classes: Mapping[str, float] | None) -> dict[str, float] | None:
+    """``data.classes`` checked: {name: minimum IoU in [0, 1)}."""
+    if classes is None:
+        return None
+    if not isinstance(classes, Mapping) or not classes:
+        raise ConfigError(f"data.classes must map each class name to its minimum IoU (e.g. {{Car: 0.7}}), "
+                          f"got {classes!r}")
+    out = {}
+    for name, v in classes.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+            raise ConfigError(f"data.classes.{name}={v!r}: the minimum IoU must be a number in [0, 1)")
+        out[str(name)] = float(v)
+    return out
+
+
 class KittiDataModule(L.LightningDataModule):
-    """Train / val (/ test) splits of a KITTI-format root.
+    """Train / val (/ test) splits of a KITTI-format or LiDAR-only root (``layout``: kitti, lidar, auto).
 
     ``augment`` is a callable ``(Frame, np.random.Generator) -> Frame`` applied to training frames;
     ``mask_provider`` (road map, ground) computes the computation mask in the loader workers.
+    ``classes``: the dataset's class names, each with its minimum IoU (BEV and 3D) for a match in evaluation
+    (``min_overlap``; None: KITTI's Car 0.7, Pedestrian and Cyclist 0.5); ``ignore_classes``: names known but
+    neither trained nor scored (LiDAR-only roots; any other name is counted and reported).
     """
 
     def __init__(
@@ -131,6 +149,9 @@ class KittiDataModule(L.LightningDataModule):
         pin_memory: bool = False,
         fov_only: bool = True,
         cache_mb: float = 0.0,
+        layout: str = "kitti",
+        classes: Mapping[str, float] | None = None,
+        ignore_classes: list[str] | None = None,
     ):
         super().__init__()
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -150,6 +171,9 @@ class KittiDataModule(L.LightningDataModule):
         self.pin_memory = pin_memory
         self.fov_only = fov_only
         self.cache_mb = cache_mb
+        self.layout = layout
+        self.min_overlap = _min_overlaps(classes)
+        self.ignore_classes = None if ignore_classes is None else list(ignore_classes)
         self.datasets: dict[str, KittiDataset] = {}
 
     def dataset(self, stage: str) -> KittiDataset:
@@ -158,13 +182,15 @@ class KittiDataModule(L.LightningDataModule):
             if split is None:
                 raise ConfigError(f"no {stage} split configured (data.{stage}_split)")
             needs_road = isinstance(self.mask_provider, RoadMapMask)
-            if stage == "train" and not KittiRoot(self.root).has_labels():  # else it would learn empty scenes
-                raise KittiFormatError(KittiRoot(self.root).dir / "label_2",
-                                       "training needs labels, and this dataset has no label_2 folder")
+            root = open_root(self.root, self.layout, self.min_overlap, self.ignore_classes)
+            if stage == "train" and not root.has_labels():  # else it would learn empty scenes
+                raise KittiFormatError(root.labels_dir, "training needs labels, and this dataset has no "
+                                       f"{root.labels_dir.name} folder")
             self.datasets[stage] = KittiDataset(
                 self.root, split, road_map=needs_road, skip_bad_frames=self.skip_bad_frames,
                 transform=self.augment if stage == "train" else None, seed=self.seed, fov_only=self.fov_only,
-                cache_mb=self.cache_mb,
+                cache_mb=self.cache_mb, layout=self.layout, classes=self.min_overlap,
+                ignore_classes=self.ignore_classes,
             )
         return self.datasets[stage]
 

@@ -1,11 +1,11 @@
-"""A map-style dataset over one split of a KITTI-format root."""
+"""A map-style dataset over one split of a dataset root: KITTI-format or LiDAR-only (:mod:`detector.data.lidar`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +15,7 @@ from detector.data.kitti import KittiRoot
 from detector.data.kitti_calib import Calibration
 from detector.data.kitti_camera import in_camera_fov
 from detector.data.kitti_labels import IMAGE_SIZE, read_label
+from detector.data.lidar import LidarRoot, UnknownClasses, open_root
 from detector.data.structures import Frame
 from detector.errors import ConfigError, KittiFormatError
 
@@ -29,7 +30,11 @@ class KittiDataset(torch.utils.data.Dataset):
     naming the file, or with ``skip_bad_frames`` is dropped with a warning and counted in
     ``self.skipped`` (a frame whose points turn out bad at load time is then replaced by the next one).
     ``fov_only`` keeps the points that project into the left colour camera's image (as KITTI detectors
-    do: objects outside it are not labeled).
+    do: objects outside it are not labeled); a LiDAR-only root has no camera and keeps every point.
+
+    ``layout``: ``kitti``, ``lidar`` or ``auto`` (:func:`detector.data.lidar.open_root`); ``classes`` and
+    ``ignore_classes`` name a LiDAR-only root's known classes: objects of any other name are counted at
+    construction and reported in one warning (``self.unknown``), and stay in the frames (neither trained nor scored).
 
     ``cache_mb``: frames as read (files parsed, points cut to the camera's view) are kept in memory up to this
     many MiB (0: none), the first ones loaded, so that later epochs skip the files and the view test - about 4 ms
@@ -48,10 +53,14 @@ class KittiDataset(torch.utils.data.Dataset):
         seed: int = 0,
         fov_only: bool = True,
         cache_mb: float = 0.0,
+        layout: str = "kitti",
+        classes: Iterable[str] | None = None,
+        ignore_classes: Iterable[str] | None = None,
     ):
         if not (isinstance(cache_mb, (int, float)) and not isinstance(cache_mb, bool) and cache_mb >= 0):
             raise ConfigError(f"data.cache_mb must be a number >= 0 (MiB), got {cache_mb!r}")
-        self.root = KittiRoot(root)
+        self.root: KittiRoot | LidarRoot = open_root(root, layout, classes, ignore_classes)
+        self.unknown = UnknownClasses()
         self.split = split
         self.road_map = road_map
         self.skip_bad_frames = skip_bad_frames
@@ -71,6 +80,8 @@ class KittiDataset(torch.utils.data.Dataset):
                 "use mask=predicted, mask=ground or mask=none",
             )
         self.ids = [i for i in ids if self._check(i)]
+        if self.unknown:
+            log.warning("%s/%s: %s", root, split, self.unknown.message(self.root.classes))
         if self.skipped:
             log.warning("%s/%s: skipped %d bad frame(s): %s (first: %s)", root, split, len(self.skipped),
                         ", ".join(fid for fid, _ in self.skipped[:20]) + (", ..." if len(self.skipped) > 20 else ""),
@@ -86,6 +97,14 @@ class KittiDataset(torch.utils.data.Dataset):
         return False
 
     def _check(self, frame_id: str) -> bool:
+        if isinstance(self.root, LidarRoot):
+            try:
+                labels = self.root.check_frame(frame_id)
+            except KittiFormatError as e:
+                return self._bad(frame_id, e)
+            if labels is not None:
+                self.unknown.add(labels, self.root.unknown(labels), self.root.path("labels", frame_id))
+            return True
         try:
             bin_path = self.root.path("velodyne", frame_id)
             try:
@@ -137,7 +156,7 @@ class KittiDataset(torch.utils.data.Dataset):
         frame = self._cache.get(frame_id)
         if frame is None:
             frame = self.root.read_frame(frame_id, road_map=self.road_map)
-            if self.fov_only:
+            if self.fov_only and frame.calib is not None:  # a LiDAR-only frame has no camera
                 frame.points = frame.points[in_camera_fov(frame.points, frame.calib, frame.image_size or IMAGE_SIZE)]
             size = _frame_bytes(frame)
             if self._cached + size > self.cache_bytes:

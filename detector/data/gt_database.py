@@ -1,10 +1,11 @@
-"""Ground-truth database for GT sampling: every labeled object of chosen classes of a KITTI-format
-training split, with the points inside its box.
+"""Ground-truth database for GT sampling: every labeled object of chosen classes of a training split (of a
+KITTI-format or a LiDAR-only root), with the points inside its box.
 
 Stored as one ``.npz`` of plain arrays (no pickle: read with ``allow_pickle=False``) in a cache folder outside the
 dataset (a dataset is read-only to training), one subfolder per dataset root, and rebuilt when its source changes:
 the file records a fingerprint of the builder version, the classes, the frame ids and the size and mtime of every
-velodyne/label/calib file it read.
+point, label (and calibration) file it read. A LiDAR-only root has no difficulty levels: its objects are
+stored with difficulty 0.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import numpy as np
 import torch
 
 from detector.data.kitti import KittiRoot
+from detector.data.kitti_labels import KittiLabels
 from detector.data.kitti_labels import difficulty as label_difficulty
+from detector.data.lidar import LidarRoot, open_root
 from detector.errors import KittiFormatError
 from detector.geometry.boxes import points_in_boxes_sparse
 from detector.outputs import atomic_path
@@ -57,12 +60,13 @@ class GtDatabase:
 
     # --- building ---------------------------------------------------------------------------------
     @classmethod
-    def build(cls, root: KittiRoot, frame_ids: Sequence[str], classes: Sequence[str] = DEFAULT_CLASSES,
+    def build(cls, root: KittiRoot | LidarRoot, frame_ids: Sequence[str], classes: Sequence[str] = DEFAULT_CLASSES,
               fingerprint: str = "", skip_bad_frames: bool = False) -> GtDatabase:
         """Read every frame (labels required) and collect its objects of ``classes``. A bad frame raises its
         :class:`KittiFormatError`, or with ``skip_bad_frames`` is left out (one warning lists them)."""
         if not root.has_labels():
-            raise KittiFormatError(root.dir / "label_2", "no label_2 folder: a GT database needs a labeled split")
+            raise KittiFormatError(root.labels_dir, f"no {root.labels_dir.name} folder: a GT database needs a "
+                                   "labeled split")
         boxes, names, diff, fids, pts, counts = [], [], [], [], [], []
         skipped: list[tuple[str, str]] = []
         for fid in frame_ids:
@@ -73,8 +77,6 @@ class GtDatabase:
                     raise
                 skipped.append((fid, str(e)))
                 continue
-            obj = f.labels.name != "DontCare"
-            labels = f.labels.select(obj)
             keep = np.isin(f.gt_names, np.asarray(classes))
             if not keep.any():
                 continue
@@ -84,7 +86,7 @@ class GtDatabase:
                 counts.append(len(idx))
             boxes.append(b.numpy().astype(np.float32))
             names.append(f.gt_names[keep])
-            diff.append(label_difficulty(labels)[keep])  # the metric's rule (kitti_labels.difficulty)
+            diff.append(_difficulty(f.labels, len(f.gt_names))[keep])
             fids.append(np.full(int(keep.sum()), fid, dtype="<U16"))
         if skipped:
             log.warning("GT database of %s: left out %d bad frame(s): %s (first: %s)", root.root, len(skipped),
@@ -135,12 +137,14 @@ class GtDatabase:
         cache_dir: str | Path | None = None,
         frame_ids: Sequence[str] | None = None,
         skip_bad_frames: bool = False,
+        layout: str = "kitti",
     ) -> GtDatabase:
         """The database of ``ImageSets/{split}.txt`` (or the given ``frame_ids``), from the cache file
         ``{cache_dir}/<root name>-<hash of its path>/gt_{split}_{classes}.npz`` when its fingerprint matches the
         source, else built (``skip_bad_frames``: bad frames left out, :meth:`build`) and saved there. Nothing is
-        written into ``root``. ``cache_dir`` None: ``gt_database/`` in :func:`detector.resources.cache_dir`."""
-        kroot = KittiRoot(root)
+        written into ``root``. ``cache_dir`` None: ``gt_database/`` in :func:`detector.resources.cache_dir`.
+        ``layout``: kitti, lidar or auto (:func:`detector.data.lidar.open_root`)."""
+        kroot = open_root(root, layout)
         ids = list(frame_ids) if frame_ids is not None else kroot.imageset(split)
         classes = tuple(str(c) for c in classes)
         fp = source_fingerprint(kroot, ids, classes)
@@ -166,15 +170,24 @@ def cache_path(root: str | Path, split: str, classes: Sequence[str], cache_dir: 
     return base / f"{root.name}-{key}" / f"gt_{split}_{'-'.join(classes)}.npz"
 
 
-def source_fingerprint(root: KittiRoot, frame_ids: Sequence[str], classes: Sequence[str]) -> str:
+def source_fingerprint(root: KittiRoot | LidarRoot, frame_ids: Sequence[str], classes: Sequence[str]) -> str:
     h = hashlib.sha256()
     h.update(f"{_VERSION}|{','.join(classes)}|".encode())
     for fid in frame_ids:
-        for kind in ("velodyne", "label_2", "calib"):
-            p = root.path(kind, fid)
+        for p in root.source_files(fid):
+            kind = p.parent.name
             try:
                 st = p.stat()
                 h.update(f"{fid}:{kind}:{st.st_size}:{st.st_mtime_ns};".encode())
             except FileNotFoundError:
-                h.update(f"{fid}:{kind}:missing;".encode())
+                if root.layout == "kitti":  # a LiDAR-only frame has one of its point files only
+                    h.update(f"{fid}:{kind}:missing;".encode())
     return h.hexdigest()
+
+
+def _difficulty(labels: KittiLabels | object, n: int) -> np.ndarray:
+    """KITTI difficulty of a frame's objects (DontCare excluded; the metric's rule, kitti_labels.difficulty), or
+    0 for every object of a LiDAR-only frame (no difficulty levels)."""
+    if isinstance(labels, KittiLabels):
+        return label_difficulty(labels.select(labels.name != "DontCare"))
+    return np.zeros(n, np.int8)

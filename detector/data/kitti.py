@@ -100,7 +100,10 @@ def write_imageset(path: str | Path, ids: list[str]) -> None:
 # A KITTI-format root
 # --------------------------------------------------------------------------------------------------
 class KittiRoot:
-    """A KITTI-format dataset root (real KITTI or our simulator's output)."""
+    """A KITTI-format dataset root (real KITTI or our simulator's output). A LiDAR-only root:
+    :class:`detector.data.lidar.LidarRoot` (the same methods where they apply)."""
+
+    layout = "kitti"
 
     def __init__(self, root: str | Path, split_dir: str = "training"):
         self.root = Path(root)
@@ -127,8 +130,16 @@ class KittiRoot:
         ext = {"velodyne": "bin", "road_map": "png", "image_2": "png"}.get(kind, "txt")
         return self.dir / kind / f"{frame_id}.{ext}"
 
+    @property
+    def labels_dir(self) -> Path:
+        return self.dir / "label_2"
+
     def has_labels(self) -> bool:
-        return (self.dir / "label_2").is_dir()
+        return self.labels_dir.is_dir()
+
+    def source_files(self, frame_id: str) -> list[Path]:
+        """The files a frame is read from (for cache fingerprints)."""
+        return [self.path(kind, frame_id) for kind in ("velodyne", "label_2", "calib")]
 
     def has_road_maps(self) -> bool:
         return (self.dir / "road_map" / "grid.json").is_file()

@@ -18,12 +18,13 @@ from detector.geometry.boxes import Boxes3D
 if TYPE_CHECKING:  # pragma: no cover
     from detector.data.kitti_calib import Calibration
     from detector.data.kitti_labels import KittiLabels
+    from detector.data.lidar_labels import LidarLabels
     from detector.data.road_map import RoadMap
 
 
 @dataclass
 class Frame:
-    """One KITTI-format frame as the data pipeline sees it.
+    """One frame, of a KITTI-format root or a LiDAR-only one, as the data pipeline sees it.
 
     ``points`` [N, 4] float32 (x, y, z, reflectance) in the LiDAR frame. ``gt_boxes``/``gt_names`` are
     the labeled objects (DontCare excluded) and change with augmentation; ``labels`` keeps the file's
@@ -34,10 +35,10 @@ class Frame:
 
     frame_id: str
     points: np.ndarray
-    calib: Calibration
+    calib: Calibration | None
     gt_boxes: Boxes3D = field(default_factory=Boxes3D.empty)
     gt_names: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype="<U16"))
-    labels: KittiLabels | None = None
+    labels: KittiLabels | LidarLabels | None = None
     road_map: RoadMap | None = None
     image_size: tuple[int, int] | None = None
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from detector.data.structures import Detections
+from detector.errors import ConfigError
 from detector.geometry.boxes import Boxes3D
 from detector.geometry.voxelize import BevGrid
 
@@ -33,6 +34,7 @@ DEFAULT_ANCHORS = {
     "Cyclist": (1.76, 0.6, 1.73, -0.87),
     "Van": (5.1, 1.9, 2.2, -0.63),
     "Truck": (10.0, 2.6, 3.4, -0.03),
+    "Bus": (11.0, 2.6, 3.2, -0.13),
 }
 NEIGHBOURS = {"Car": ("Van",), "Pedestrian": ("Person_sitting",)}
 
@@ -66,7 +68,8 @@ class BoxCoder:
         anchors = {**DEFAULT_ANCHORS, **(anchors or {})}
         missing = [c for c in self.classes if c not in anchors]
         if missing:
-            raise ValueError(f"no anchor size for class(es) {missing}: give anchors={{name: [l, w, h, z]}}")
+            raise ConfigError(f"model.coder.anchors: no anchor size for class(es) {', '.join(missing)}: give "
+                              f"model.coder.anchors.{missing[0]}=[l,w,h,z] (typical size and centre height, m)")
         self.pos_scale = float(pos_scale)
         self.ignore_scale = float(ignore_scale)
         self.anchors = torch.tensor([anchors[c] for c in self.classes], dtype=torch.float32)  # [K, 4]
