@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 
 from detector.data.kitti_camera import boxes_to_labels, labels_to_boxes
-from detector.data.kitti_labels import IMAGE_SIZE, KittiLabels, as_written
-from detector.data.structures import Batch, Detections
+from detector.data.kitti_labels import IMAGE_SIZE, KittiLabels, as_written, write_label
+from detector.data.lidar_labels import LidarLabels, write_lidar_label
+from detector.data.structures import Batch, Detections, Frame
 from detector.models.detector import BevDetector
 
 SCOPE = "ground truth and detections whose box centre lies inside the BEV grid (DontCare kept)"
@@ -24,12 +25,30 @@ SCOPE = "ground truth and detections whose box centre lies inside the BEV grid (
 class FrameRecords:
     """One frame's KITTI records as the metric sees them and as the files hold them: ``gt`` None for a
     frame without labels (e.g. the testing split). ``outside``: the labeled objects (DontCare excluded)
-    left out of ``gt`` because their box centre lies outside the BEV grid (reported, not scored)."""
+    left out of ``gt`` because their box centre lies outside the BEV grid (reported, not scored). A LiDAR-only
+    frame's records are :class:`LidarLabels` (LiDAR frame; its own files, :func:`write_records`)."""
 
     frame_id: str
-    gt: KittiLabels | None
-    dt: KittiLabels
-    outside: KittiLabels | None = None
+    gt: KittiLabels | LidarLabels | None
+    dt: KittiLabels | LidarLabels
+    outside: KittiLabels | LidarLabels | None = None
+
+    def outside_lines(self) -> list[str]:
+        """``"frame name distance"`` of each object of ``outside`` (BEV distance from the sensor)."""
+        o = self.outside
+        if o is None:
+            return []
+        d = np.hypot(o.boxes[:, 0], o.boxes[:, 1]) if isinstance(o, LidarLabels) else \
+            np.hypot(o.location[:, 0], o.location[:, 2])
+        return [f"{self.frame_id} {name} {x:.1f} m" for name, x in zip(o.name, d, strict=True)]
+
+
+def write_records(path, records: KittiLabels | LidarLabels) -> None:
+    """A frame's records as a file: KITTI's label/result format, or the LiDAR-only one (detector.data.lidar)."""
+    if isinstance(records, LidarLabels):
+        write_lidar_label(path, records)
+    else:
+        write_label(path, records)
 
 
 def _inside(x: np.ndarray, y: np.ndarray, grid) -> np.ndarray:
@@ -48,6 +67,9 @@ def frame_records(batch: Batch, dets: Sequence[Detections], classes: Sequence[st
     """
     out = []
     for f, d in zip(batch.frames, dets, strict=True):
+        if f.calib is None:
+            out.append(_lidar_records(f, d, classes, grid))
+            continue
         d = d.to("cpu")
         names = np.asarray(classes)[d.labels.numpy()] if len(d) else np.zeros(0, "<U16")
         boxes = d.boxes.to("cpu", torch.float64)
@@ -65,6 +87,41 @@ def frame_records(batch: Batch, dets: Sequence[Detections], classes: Sequence[st
             outside = lab.select(~keep)
         out.append(FrameRecords(f.frame_id, gt, res, outside))
     return out
+
+
+def _lidar_records(f: Frame, d: Detections, classes: Sequence[str], grid) -> FrameRecords:
+    """A LiDAR-only frame's records: the LiDAR-frame boxes, filtered like KITTI's by the box centre (the file
+    writer keeps every float64 digit, so the files read back as these records)."""
+    d = d.to("cpu")
+    names = np.asarray(classes)[d.labels.numpy()] if len(d) else np.zeros(0, "<U16")
+    res = LidarLabels(d.boxes.tensor.double().numpy(), names, d.scores.double().numpy())
+    res = res.select(_inside(res.boxes[:, 0], res.boxes[:, 1], grid))
+    gt = outside = None
+    if f.labels is not None:
+        keep = _inside(f.labels.boxes[:, 0], f.labels.boxes[:, 1], grid)
+        gt, outside = f.labels.select(keep), f.labels.select(~keep)
+    return FrameRecords(f.frame_id, gt, res, outside)
+
+
+def score_records(records: Sequence[FrameRecords], classes: Sequence[str],
+                  min_overlap: Mapping[str, float] | None = None) -> tuple[Any, list[str], str]:
+    """THE scoring of validation and evaluation: ``(result, classes scored, table text)``. KITTI records: the
+    KITTI metric (Car / Pedestrian / Cyclist of ``classes``, plus any other class given a minimum IoU in
+    ``min_overlap``); LiDAR-only records: BEV and 3D AP overall and by distance band, every class of
+    ``classes``, each with its minimum IoU from ``min_overlap`` (protocol L1-L4)."""
+    from detector.eval.kitti_metric import evaluate
+    from detector.eval.lidar_metric import evaluate_lidar, lidar_table
+    from detector.eval.protocol import EVAL_CLASSES, MIN_OVERLAP
+
+    gts, dts = [r.gt for r in records], [r.dt for r in records]
+    if records and isinstance(records[0].gt, LidarLabels):
+        overlaps = dict(min_overlap) if min_overlap is not None else dict(MIN_OVERLAP)
+        result = evaluate_lidar(gts, dts, overlaps, classes)
+        return result, list(classes), lidar_table(result)
+    extra = dict(min_overlap or {})
+    eval_classes = [c for c in classes if c in EVAL_CLASSES or c in extra]
+    result = evaluate(gts, dts, classes=eval_classes, min_overlap=extra or None)
+    return result, eval_classes, result.table()
 
 
 def gather_records(records: list[FrameRecords]) -> list[FrameRecords]:
@@ -201,20 +258,24 @@ class DetectorModule(L.LightningModule):
         self._val_image = None
 
     def on_validation_epoch_end(self) -> None:
-        from detector.eval.kitti_metric import evaluate
-
         unique = gather_records(self._val_records)
         self._val_records = []
         if not unique:
             return
-        result = evaluate([r.gt for r in unique], [r.dt for r in unique], classes=self.eval_classes)
+        lidar = isinstance(unique[0].gt, LidarLabels)
+        # a LiDAR-only root's classes are the model's, scored with the data's minimum IoUs (data.classes)
+        min_overlap = getattr(getattr(self.trainer, "datamodule", None), "min_overlap", None)
+        classes = self.classes if lidar or min_overlap else self.eval_classes
+        result, eval_classes, _ = score_records(unique, classes, min_overlap)
         metrics = result.to_json()
         self.last_metrics = metrics
         flat = {}
-        for cls in self.eval_classes:
+        for cls in eval_classes:
             for metric in ("bev", "3d", "2d", "aos"):
-                for level in ("easy", "moderate", "hard"):
+                for level in (*result.levels, *result.distance_levels) if lidar else ("easy", "moderate", "hard"):
                     v = metrics.get(cls, {}).get(metric, {}).get("R40", {}).get(level)
+                    if v is None:
+                        v = metrics.get("distance", {}).get(cls, {}).get(metric, {}).get("R40", {}).get(level)
                     if v is not None:
                         flat[f"val/AP_{cls}_{metric}_R40_{level}"] = float(v)
         if flat:

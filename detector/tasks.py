@@ -22,11 +22,11 @@ from detector.callbacks import AtomicCheckpointIO, LastCheckpoint, init_from_che
 from detector.config import check_types
 from detector.data.datamodule import KittiDataModule
 from detector.data.kitti import KittiRoot
-from detector.data.kitti_labels import write_label
+from detector.data.lidar import open_root
 from detector.errors import ConfigError, KittiFormatError, is_user_error, root_cause
 from detector.geometry.voxelize import BevGrid
 from detector.models.detector import BevDetector
-from detector.module import SCOPE, DetectorModule, frame_records
+from detector.module import SCOPE, DetectorModule, frame_records, score_records, write_records
 from detector.outputs import writable_dir
 from detector.resources import config_dir
 
@@ -89,7 +89,7 @@ def ensure_dataset(data_cfg: DictConfig) -> None:
     of the simulator (:func:`detector.sim.writer.stale_sample`)."""
     root = Path(data_cfg.root).expanduser()
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
-        KittiRoot(root).imageset(data_cfg.train_split)  # the split's file must be there: an error names the others
+        open_root(root, data_cfg.get("layout", "kitti")).imageset(data_cfg.train_split)  # else: names the others
         if (root / "sim.json").is_file():  # a simulated root: the simulator (and open3d, ~2 s) is imported for it only
             from detector.sim.writer import stale_sample
 
@@ -417,9 +417,6 @@ def evaluate_checkpoint(ckpt_path: str | Path, data_cfg: DictConfig, out_dir: st
     files ``out_dir/data`` and the ground truth they were scored against ``out_dir/label_2`` (both filtered
     by :func:`detector.module.frame_records`, the translation validation uses): ``scripts/kitti_eval.py``
     on the two folders prints the same table. Returns the metric JSON."""
-    from detector.eval.kitti_metric import evaluate
-    from detector.eval.protocol import EVAL_CLASSES
-
     model, cfg = load_detector(ckpt_path, mask_override)
     device = device or ("cuda" if torch.cuda.is_available() and backend == "eager" else "cpu")
     model.to(device).eval()
@@ -440,7 +437,7 @@ def evaluate_checkpoint(ckpt_path: str | Path, data_cfg: DictConfig, out_dir: st
     if write_results:
         res_dir.mkdir(parents=True, exist_ok=True)
         gt_dir.mkdir(parents=True, exist_ok=True)
-    gts, dts, sparsity, times = [], [], [], {}
+    records, sparsity, times = [], [], {}
     outside: list[str] = []  # labeled objects not scored (box centre outside the BEV grid): "frame name distance"
     n_frames = 0
     classes = list(cfg.model.classes)
@@ -456,33 +453,28 @@ def evaluate_checkpoint(ckpt_path: str | Path, data_cfg: DictConfig, out_dir: st
         for r in frame_records(batch, dets, classes, model.grid):
             n_frames += 1
             if write_results:
-                write_label(res_dir / f"{r.frame_id}.txt", r.dt)
+                write_records(res_dir / f"{r.frame_id}.txt", r.dt)
             if r.gt is not None:
                 if write_results:
-                    write_label(gt_dir / f"{r.frame_id}.txt", r.gt)
-                gts.append(r.gt)
-                dts.append(r.dt)
-            if r.outside is not None:
-                outside += [f"{r.frame_id} {name} {d:.1f} m" for name, d in
-                            zip(r.outside.name, np.hypot(r.outside.location[:, 0], r.outside.location[:, 2]),
-                                strict=True)]
+                    write_records(gt_dir / f"{r.frame_id}.txt", r.gt)
+                records.append(r)
+            outside += r.outside_lines()
     wall = time.perf_counter() - t0
-    if not gts:
-        raise KittiFormatError(Path(data_cfg.root) / "training" / "label_2",
-                               f"no labels for split '{split}': evaluation needs label_2 files")
-    eval_classes = [c for c in classes if c in EVAL_CLASSES]
-    result = evaluate(gts, dts, classes=eval_classes)
+    if not records:
+        raise KittiFormatError(dm.dataset("val").root.labels_dir,
+                               f"no labels for split '{split}': evaluation needs label files")
+    result, eval_classes, table = score_records(records, classes, dm.min_overlap)
     metrics = result.to_json()
     g = model.grid
     scope = f"{SCOPE}: x [{g.x_range[0]}, {g.x_range[1]}) y [{g.y_range[0]}, {g.y_range[1]}) m"
     print(f"\nKITTI evaluation of {ckpt_path}\n{n_frames} frames of {data_cfg.root} split '{split}'; "
           f"mask {'none (dense)' if not cfg.model.sparse else _mask_name(cfg.mask)}, "
           f"mean sparsity {np.mean(sparsity):.3f}; decode {decode_kwargs(cfg.model)}\nscored: {scope}")
-    print(result.table())
+    print(table)
     if outside:
         print(f"not scored: {len(outside)} labeled object(s) outside the BEV grid: {'; '.join(outside[:20])}"
               + (f"; ... ({len(outside) - 20} more in metrics.json)" if len(outside) > 20 else ""))
-    if write_results:
+    if write_results and dm.dataset("val").root.layout == "kitti":
         print(f"the same table from the files: python scripts/kitti_eval.py gt={gt_dir} results={res_dir} "
               f"classes={','.join(eval_classes)}")
     summary = {"frames": n_frames, "ms_per_frame": 1000 * wall / max(n_frames, 1),
@@ -507,7 +499,7 @@ def _mask_name(mask_cfg) -> str:
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     out_dir = Path(cfg.paths.output_dir)
     print(f"output directory: {out_dir.resolve()}")
-    KittiRoot(cfg.data.root)  # clear error when the root is missing
+    open_root(cfg.data.root, cfg.data.get("layout", "kitti"))  # clear error when the root is missing
     # ``mask=<name>`` on the command line selects eval.yaml's optional mask group (None: the checkpoint's).
     return evaluate_checkpoint(cfg.ckpt_path, cfg.data, out_dir, split=cfg.split, mask_override=cfg.get("mask"),
                                write_results=cfg.write_results, backend=cfg.get("backend", "eager"))

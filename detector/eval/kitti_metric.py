@@ -260,12 +260,14 @@ def evaluate(
     distance_ranges: Sequence[tuple[float, float]] | None = DISTANCE_RANGES,
     min_overlap: Mapping[str, float] | None = None,
     timings: EvalTimings | None = None,
+    levels: Sequence[Level] = KITTI_LEVELS,
 ) -> KittiResult:
     """Evaluate detections ``dt`` against ground truth ``gt`` (one KittiLabels per frame, same order;
     detections need scores). Frames without objects or detections are empty KittiLabels.
 
     ``metrics`` ⊆ ("2d", "bev", "3d", "aos"); ``distance_ranges`` in metres (None: no AP by distance);
-    ``min_overlap`` overrides the per-class minimum overlap (default Car 0.7, Pedestrian/Cyclist 0.5).
+    ``min_overlap`` overrides the per-class minimum overlap (default Car 0.7, Pedestrian/Cyclist 0.5);
+    ``levels``: KITTI's easy / moderate / hard, or e.g. :data:`~detector.eval.protocol.OVERALL` (LiDAR-only).
     Does not print. Raises ValueError / TypeError naming the frame and field on bad input.
     """
     t0 = time.perf_counter()
@@ -290,7 +292,7 @@ def evaluate(
         raise ValueError("no frames to evaluate")
     _check_shapes(gt, "gt", with_score=False)
     _check_shapes(dt, "dt", with_score=True)
-    levels = KITTI_LEVELS
+    levels = tuple(levels)
     dlevels = distance_levels(distance_ranges) if distance_ranges else ()
     all_levels = levels + dlevels
     max_min_height = max(lv.min_height for lv in all_levels)

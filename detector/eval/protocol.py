@@ -62,6 +62,20 @@ Deliberate differences from the devkit (each documented where it is decided):
       but differ by up to ~0.3 m / distance near the sensor (0.049 rad at 4 m; tests/test_eval_records.py),
       which costs AOS at most (1 − cos 0.05) / 2 ≈ 0.06 % on such a detection.
 
+LiDAR-only datasets (no images: :mod:`detector.eval.lidar_metric`; our rule, not KITTI's)
+  L1. Records are boxes in the LiDAR frame (centre, dx dy dz, heading) read as float64. No 2D boxes, no
+      truncation or occlusion: no difficulty levels and no AOS; DontCare is absent (the reader leaves it out).
+  L2. Classes: any names, each with its minimum overlap from the configuration (``data.classes``); a
+      detection matches a GT only if their overlap is **strictly greater** than it (as R6). Van (for Car) and
+      Person_sitting (for Pedestrian) GT are ignored as in R2; GT of other classes play no part.
+  L3. Metrics: BEV IoU (rotated rectangles in the ground plane) and 3D IoU (BEV × the vertical extent),
+      exact as D1. Level ``overall``: every GT of the class is counted, every detection of the class is a
+      candidate. Distance bands (D4's ranges: 0-30, 30-50, 50+ m) by the BEV distance of the box centre
+      from the sensor, sqrt(x² + y²): GT and detections outside the band are ignored (as in D4).
+  L4. Matching and AP: R5, R8 and R9 unchanged (the same code: the boxes become the metric's records in
+      a camera-like geometry, x_c = −y, y_c = −(z − dz/2), z_c = x, a rotation that keeps every overlap and
+      distance, with an empty 2D box, truncation 0 and occlusion 0).
+
 Not the protocol but the application (``detector.module.frame_records``): validation and
 ``evaluate_checkpoint`` score ground truth and detections whose box centre lies inside the BEV grid
 (DontCare kept), and write exactly those records (``eval/label_2``, ``eval/data``).
@@ -117,6 +131,9 @@ class Level:
 
 
 KITTI_LEVELS = tuple(Level(name, h, occ, trunc) for name, (h, occ, trunc) in DIFFICULTY_LEVELS.items())
+# L3: the one level of a LiDAR-only dataset: every GT counted (no 2D height, occlusion or truncation limits)
+OVERALL = Level("overall", -math.inf, 0, 0.0)
+LIDAR_METRICS = ("bev", "3d")
 
 DISTANCE_RANGES = ((0.0, 30.0), (30.0, 50.0), (50.0, math.inf))
 
