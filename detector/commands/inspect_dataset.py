@@ -1,7 +1,11 @@
-"""Validate every file of a KITTI-format root and print a summary.
+"""Validate every file of a KITTI-format or LiDAR-only root and print a summary.
 
-    detector-inspect-dataset root=DIR [split_dir=training] [max_frames=0]
+    detector-inspect-dataset root=DIR [split_dir=training] [max_frames=0] [layout=auto] [classes=Car,...]
     (or: python scripts/inspect_dataset.py ...)
+
+layout   kitti, lidar or auto (a points/ folder: LiDAR-only); classes (LiDAR-only): the known class names, comma
+         separated (default: data=lidar's, configs/data/lidar.yaml); objects of other names (and not of
+         DontCare, Van, Tram, Misc, Person_sitting) are counted as unknown in the summary
 
 Exits with status 1, naming each bad file, when any file is invalid.
 """
@@ -17,7 +21,8 @@ import numpy as np
 from detector.cli import parse_args
 from detector.data.kitti import KittiRoot
 from detector.data.kitti_labels import DIFFICULTY_LEVELS, difficulty
-from detector.errors import KittiFormatError
+from detector.data.lidar import LidarRoot, UnknownClasses, open_root
+from detector.errors import ConfigError, KittiFormatError
 from detector.sim.writer import stale_sample
 
 USAGE = __doc__
@@ -82,13 +87,70 @@ def inspect(root: str, split_dir: str = "training", max_frames: int = 0) -> tupl
     return "\n".join(lines), errors
 
 
+LIDAR_CLASSES = "Car,Pedestrian,Cyclist,Truck,Bus"  # configs/data/lidar.yaml's
+
+
+def inspect_lidar(root: str, max_frames: int = 0, classes: str = LIDAR_CLASSES) -> tuple[str, list[str]]:
+    """The LiDAR-only twin of :func:`inspect`: (summary text, error messages); unknown class names counted."""
+    lroot = LidarRoot(root, [c for c in classes.split(",") if c])
+    errors: list[str] = []
+    splits: dict[str, list[str]] = {}
+    for name in lroot.splits():
+        try:
+            splits[name] = lroot.imageset(name)
+        except KittiFormatError as e:
+            errors.append(str(e))
+    on_disk = lroot.frame_ids()
+    ids = on_disk[:max_frames] if max_frames > 0 else on_disk
+    for i in sorted({i for s in splits.values() for i in s} - set(on_disk)):
+        errors.append(f"{lroot.root / 'points' / i}.bin: frame {i} is listed in ImageSets but has no point cloud")
+    n_points, per_class, dist = [], Counter(), defaultdict(list)
+    unknown = UnknownClasses()
+    for i in ids:
+        try:
+            f = lroot.read_frame(i)
+        except KittiFormatError as e:
+            errors.append(str(e))
+            continue
+        n_points.append(len(f.points))
+        if f.labels is None:
+            continue
+        unknown.add(f.labels, lroot.unknown(f.labels), lroot.path("labels", i))
+        for name, c in zip(f.labels.name, f.labels.boxes, strict=True):
+            per_class[name] += 1
+            dist[name].append(float(np.hypot(c[0], c[1])))
+    lines = [f"LiDAR-only root: {Path(root).resolve()}"]
+    lines.append(f"frames on disk: {len(on_disk)}" + (f" (checked {len(ids)})" if len(ids) < len(on_disk) else ""))
+    for name, s in splits.items():
+        lines.append(f"  split {name:<10} {len(s):6d} frames")
+    lines.append(f"labels: {'yes' if lroot.has_labels() else 'no'}; no calibration, images or road maps")
+    if n_points:
+        p = np.array(n_points)
+        lines.append(f"points per frame: mean {p.mean():.0f}, min {p.min()}, max {p.max()}")
+    if per_class:
+        lines.append("")
+        lines.append(f"{'class':<15}{'objects':>9}   distance m (min / median / max)")
+        for name, n in per_class.most_common():
+            d = np.array(dist[name])
+            tag = "" if name in lroot.classes else "  (ignored)" if name in lroot.ignore_classes else "  (UNKNOWN)"
+            lines.append(f"{name:<15}{n:9d}   {d.min():6.1f} / {np.median(d):6.1f} / {d.max():6.1f}{tag}")
+        lines.append(f"objects per frame: {sum(per_class.values()) / max(len(n_points), 1):.1f}")
+    if unknown:
+        lines.append(f"unknown classes: {unknown.message(lroot.classes)}")
+    return "\n".join(lines), errors
+
+
 def main(argv=None) -> int:
-    args = parse_args(argv, {"root": None, "split_dir": "training", "max_frames": 0}, USAGE)
+    args = parse_args(argv, {"root": None, "split_dir": "training", "max_frames": 0, "layout": "auto",
+                             "classes": LIDAR_CLASSES}, USAGE)
     if args["root"] is None:
         raise SystemExit("error: root=DIR is required (see --help)")
     try:
-        summary, errors = inspect(args["root"], args["split_dir"], args["max_frames"])
-    except KittiFormatError as e:
+        if open_root(args["root"], args["layout"]).layout == "lidar":
+            summary, errors = inspect_lidar(args["root"], args["max_frames"], args["classes"])
+        else:
+            summary, errors = inspect(args["root"], args["split_dir"], args["max_frames"])
+    except (KittiFormatError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(summary)
