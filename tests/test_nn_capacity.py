@@ -121,3 +121,20 @@ def test_training_mode_is_refused():
     x, mask = _inputs()
     with pytest.raises(ValueError, match="inference"):
         cp.forward_capacity(net, x, mask, [4, 4, 4], [(8, 0), (8, 8), (8, 8)])
+
+
+@pytest.mark.parametrize("preact", [False, True])
+def test_triton_kernels_in_the_backbone(preact, monkeypatch):
+    """The whole backbone with the fused Triton kernels (interpreted on the CPU): the exact path's values."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    net = _net(preact)
+    x, mask = _inputs(n=1, h=21, w=19)
+    with torch.no_grad():
+        want = net(x, mask)
+        modes, caps = cp.plan_capacities(net, x, mask)
+        monkeypatch.setenv("DETECTOR_FUSED", "triton")
+        feats, overflow, _ = cp.forward_capacity(net, x, mask, modes, caps)
+    assert not bool(overflow)
+    for a, b in zip(feats, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

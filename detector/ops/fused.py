@@ -71,7 +71,8 @@ def _conv_blocks_torch(src, blist, weight, bias, stride, origin, extent, pre, re
         a = _gather(src.contiguous(memory_format=memory_format_of(src) or torch.contiguous_format), idx, extent,
                     origin)
         if pre is not None:
-            a = torch.relu(a * pre[0].view(1, -1, 1, 1).to(a.dtype) + pre[1].view(1, -1, 1, 1).to(a.dtype))
+            dt = torch.promote_types(a.dtype, torch.float32)  # the affine in the opmath type, as the kernel does
+            a = torch.relu(a.to(dt) * pre[0].view(1, -1, 1, 1).to(dt) + pre[1].view(1, -1, 1, 1).to(dt)).to(a.dtype)
             inside = level_valid(idx, origin[0], origin[1], extent, (int(src.shape[2]), int(src.shape[3])))
             a = a * inside.to(a.dtype)
     else:

@@ -87,7 +87,7 @@ def _kernel():
                 base = src + k.to(tl.int64) * s_n
                 y0 = 0
                 x0 = 0
-            acc = tl.zeros((BM, BN), dtype=tl.float64 if F64 else tl.float32)
+            acc = tl.full((BM, BN), 0.0, dtype=tl.float64 if F64 else tl.float32)
             for ky in tl.static_range(KH):
                 for kx in tl.static_range(KW):
                     iy = y0 + oy * STRIDE + ky

@@ -1,0 +1,191 @@
+"""The fused sparse-block convolution (detector.ops.fused): its Triton kernel (detector.ops.triton_blocks, run on
+the CPU under TRITON_INTERPRET=1) against the composition of the compiled gather/scatter and F.conv2d (the CPU
+path, itself checked against the exact sparse unit in tests/test_nn_capacity.py).
+
+Cases: NCHW and channels-last maps, float32 (rtol = atol = 1e-5: only the summation order differs) and bfloat16
+(rtol = 3e-2, atol = 0.1: outputs are sums of ~45 products of O(1) values, up to ~15 in size, where a bfloat16
+ulp is 0.06; both sides round their float32 sums to bfloat16, oneDNN's convolution in its own order), every border (an
+all-ones mask activates the tiles at the map's edges; halos reach past them), K = 0, padded capacity (rows past
+the count), outputs poisoned with NaN before each run so that an element the kernel fails to write shows.
+Backward: the kernel's forward with the composition's backward, gradcheck in float64 (fast mode, tiny shapes).
+Without triton the module skips (triton is not a dependency of the CPU install; CUDA builds of torch ship it).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from detector.ops import calc_block_params, fused, triton_blocks
+from detector.ops.capacity import reduce_mask_capacity
+
+pytest.importorskip("triton")
+
+H, W, N = 9, 10, 2
+LAYOUTS = {"nchw": torch.contiguous_format, "nhwc": torch.channels_last}
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=3e-2, atol=1e-1)}
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _blist(p: float, capacity: int, bsize=6, ksize=3, stride=1, padding=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(N, 1, H, W, generator=g) > p).float() if p < 1 else torch.zeros(N, 1, H, W)
+    bp = calc_block_params(H, W, bsize=bsize, ksize=ksize, stride=stride, padding=padding)
+    return reduce_mask_capacity(mask, bp, capacity), bp
+
+
+def _both(monkeypatch, fn):
+    """fn() by the composition, then by the kernel (DETECTOR_FUSED forces the path)."""
+    monkeypatch.setenv("DETECTOR_FUSED", "torch")
+    want = fn()
+    monkeypatch.setenv("DETECTOR_FUSED", "triton")
+    return want, fn()
+
+
+# (mask density p, capacity) on a 3 x 3 grid of 4-pixel tiles per sample: some blocks with padding rows past the
+# count, every block (all borders; the bottom and right tiles stick out of the map), none (K = 0)
+SOME, ALL, NONE = (0.85, 18), (-1.0, 18), (1.0, 8)
+CASES = [(torch.float32, "nchw", ALL), (torch.float32, "nhwc", SOME), (torch.bfloat16, "nhwc", SOME),
+         (torch.bfloat16, "nchw", ALL), (torch.float32, "nhwc", NONE)]
+CASE_IDS = [f"{str(d).removeprefix('torch.')}-{lay}-{['some', 'all', 'none'][[SOME, ALL, NONE].index(m)]}"
+            for d, lay, m in CASES]
+
+
+@pytest.mark.parametrize("dtype,layout,pcap", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("pre", [False, True])
+def test_first_conv_gathers_from_the_map(dtype, layout, pcap, pre):
+    """3x3 conv on 6x6 windows (halo 1 on each side, origin by*4 - 1), BN folded, ReLU, zero outside the map."""
+    bl, bp = _blist(*pcap)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(N, 5, H, W, generator=g).to(dtype).contiguous(memory_format=LAYOUTS[layout])
+    w, b = torch.randn(7, 5, 3, 3, generator=g).to(dtype), torch.randn(7, generator=g)
+    ps = (torch.rand(5, generator=g) + 0.5, torch.randn(5, generator=g)) if pre else None
+    kw = dict(stride=1, origin=((4, 4), (1, 1)), extent=(6, 6), pre=ps, relu=True, zero=((4, 4), (0, 0), (H, W)))
+    want = fused._conv_blocks_torch(x, bl, w, b, 1, kw["origin"], (6, 6), ps, True, kw["zero"])
+    out = torch.full((bl.capacity, 7, 4, 4), float("nan"), dtype=dtype).contiguous(memory_format=LAYOUTS[layout])
+    got = triton_blocks.block_conv(x, bl.indices, bl.count, w, b, out, stride=1, in_map=True, origin=kw["origin"],
+                                   pre=ps, relu=True, zero=kw["zero"])
+    k = min(int(bl.count), bl.capacity)
+    torch.testing.assert_close(got[:k], want[:k], **TOL[dtype])
+    assert got[k:].isnan().all()  # padding rows are skipped (the count read on the device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_strided_projection_and_blocks_source(dtype, layout, monkeypatch):
+    """A 1x1 stride-2 projection read from the map (origin by*8), and a 3x3 stride-2 conv on blocks."""
+    bl, _ = _blist(0.85, 12, bsize=9, ksize=3, stride=2, padding=1)
+    g = torch.Generator().manual_seed(4)
+    fmt = LAYOUTS[layout]
+    x = torch.randn(N, 3, H, W, generator=g).to(dtype).contiguous(memory_format=fmt)
+    wp = torch.randn(6, 3, 1, 1, generator=g).to(dtype)
+    src = torch.randn(bl.capacity, 3, 9, 9, generator=g).to(dtype).contiguous(memory_format=fmt)
+    w3 = torch.randn(6, 3, 3, 3, generator=g).to(dtype)
+    want, got = _both(monkeypatch, lambda: (
+        fused.conv_blocks(x, bl, wp, None, stride=2, origin=((8, 8), (0, 0)), extent=(7, 7)),
+        fused.conv_blocks(src, bl, w3, torch.randn(6, generator=torch.Generator().manual_seed(5)), stride=2)))
+    k = int(bl.count)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a[:k], b[:k], **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype,layout,pcap", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("residual", ["map", "blocks", None])
+def test_last_conv_scatters_with_residual(dtype, layout, pcap, residual, monkeypatch):
+    """The last conv's tiles (4x4, clipped at the bottom/right border) into the map: + residual, ReLU."""
+    bl, _ = _blist(*pcap)
+    g = torch.Generator().manual_seed(6)
+    fmt = LAYOUTS[layout]
+    a = torch.randn(bl.capacity, 5, 6, 6, generator=g).to(dtype).contiguous(memory_format=fmt)
+    w, b = torch.randn(4, 5, 3, 3, generator=g).to(dtype), torch.randn(4, generator=g)
+    base = torch.randn(N, 4, H, W, generator=g).to(dtype).contiguous(memory_format=fmt)
+    if residual is None:  # written tiles: a NaN map shows every element the kernel should have written and did not
+        base.fill_(float("nan"))
+    res = torch.randn(bl.capacity, 4, 4, 4, generator=g).to(dtype) if residual == "blocks" else residual
+    relu = residual != "blocks"
+    want, got = _both(monkeypatch, lambda: fused.conv_scatter(a, bl, w, b, base.clone(memory_format=fmt), tile=(4, 4),
+                                                              residual=res, relu=relu))
+    assert memory_format_ok(got, fmt)
+    torch.testing.assert_close(got, want, equal_nan=True, **TOL[dtype])
+    if residual is None and int(bl.count):
+        assert not got[tuple(bl.indices[0, :1].long())].isnan().all()
+
+
+def memory_format_ok(t: torch.Tensor, fmt: torch.memory_format) -> bool:
+    return t.is_contiguous(memory_format=fmt)
+
+
+def _unit(bl):
+    def unit(x, w, w2):  # a first conv from the map, a blocks-to-blocks conv, the scatter with the residual
+        a = fused.conv_blocks(x, bl, w, None, origin=((4, 4), (1, 1)), extent=(6, 6), relu=True,
+                              zero=((4, 4), (0, 0), (H, W)))
+        a = fused.conv_blocks(a, bl, w2, None)
+        eye = torch.eye(x.shape[1], dtype=x.dtype).view(x.shape[1], x.shape[1], 1, 1)
+        return fused.conv_scatter(a, bl, eye, None, x * 1.0, tile=(2, 2), residual="map", relu=True)
+    return unit
+
+
+def _grads(fn, *args):
+    args = [a.detach().requires_grad_() for a in args]
+    out = fn(*args)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=out.dtype)
+    return out, torch.autograd.grad(out, args, g)
+
+
+def test_backward_via_the_composition(monkeypatch):
+    """The kernel's forward under autograd gives the composition's output and gradients (its backward), and the
+    composition's gradients are right (gradcheck, float64)."""
+    bl, _ = _blist(0.8, 6, bsize=6, ksize=3)
+    g = torch.Generator().manual_seed(7)
+    args = (torch.randn(N, 2, H, W, generator=g, dtype=torch.float64),
+            torch.randn(2, 2, 3, 3, generator=g, dtype=torch.float64),
+            torch.randn(2, 2, 3, 3, generator=g, dtype=torch.float64))
+    (want, want_g), (got, got_g) = _both(monkeypatch, lambda: _grads(_unit(bl), *args))
+    torch.testing.assert_close(got, want)
+    for a, b in zip(got_g, want_g, strict=True):
+        torch.testing.assert_close(a, b)
+    monkeypatch.setenv("DETECTOR_FUSED", "torch")
+    assert torch.autograd.gradcheck(_unit(bl), tuple(a.requires_grad_() for a in args), fast_mode=True)
+
+
+@pytest.mark.slow
+def test_gradcheck_through_the_kernel(monkeypatch):
+    monkeypatch.setenv("DETECTOR_FUSED", "triton")
+    bl, _ = _blist(0.8, 6, bsize=6, ksize=3)
+    g = torch.Generator().manual_seed(7)
+    args = tuple(torch.randn(s, generator=g, dtype=torch.float64, requires_grad=True)
+                 for s in ((N, 2, H, W), (2, 2, 3, 3), (2, 2, 3, 3)))
+    assert torch.autograd.gradcheck(_unit(bl), args, fast_mode=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_kernel_vs_composition(dtype, monkeypatch):
+    """On the GPU (compiled triton, no interpreter): every kernel mode against the composition on random data."""
+    monkeypatch.delenv("TRITON_INTERPRET")
+    dev = torch.device("cuda")
+    tol = dict(rtol=2e-2, atol=2e-2)  # tf32 / bfloat16 dots
+    bl, _ = _blist(0.7, 48)
+    bl = type(bl)(bl.indices.to(dev), bl.count.to(dev), bl.block)
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(N, 32, H, W, generator=g, device=dev).to(dtype).contiguous(memory_format=torch.channels_last)
+    w, b = torch.randn(48, 32, 3, 3, generator=g, device=dev).to(dtype), torch.randn(48, generator=g, device=dev)
+    w2 = torch.randn(32, 48, 3, 3, generator=g, device=dev).to(dtype) * 0.1
+    base = torch.randn(N, 32, H, W, generator=g, device=dev).to(dtype).contiguous(memory_format=torch.channels_last)
+
+    def run():
+        a = fused.conv_blocks(x, bl, w, b, origin=((2, 2), (2, 2)), extent=(6, 6), relu=True,
+                              zero=((2, 2), (1, 1), (H, W)))
+        return a, fused.conv_scatter(a, bl, w2, None, base.clone(memory_format=torch.channels_last), tile=(2, 2),
+                                     residual="map", relu=True)
+
+    k = int(bl.count)
+    want, got = _both(monkeypatch, run)
+    torch.testing.assert_close(got[0][:k], want[0][:k], **tol)
+    torch.testing.assert_close(got[1], want[1], **tol)
