@@ -7,3 +7,11 @@
 
 KITTI's camera frame and calibration are not here: :mod:`detector.data.kitti_camera`.
 """
+
+from detector.geometry.boxes import Boxes3D, points_in_boxes_sparse
+from detector.geometry.iou import bev_iou, box2d_overlap, iou3d
+from detector.geometry.voxelize import BevGrid
+
+# (the function ``voxelize`` stays in its module: re-exported here, its name would hide the module
+# ``detector.geometry.voxelize`` that configs name targets by)
+__all__ = ["BevGrid", "Boxes3D", "bev_iou", "box2d_overlap", "iou3d", "points_in_boxes_sparse"]

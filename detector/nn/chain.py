@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from detector.errors import ConfigError
 from detector.ops import BlockParams, ResidualBlocks, reduce_mask, sparse_gather, sparse_scatter_
 from detector.ops.blocks import pair
 
@@ -165,7 +166,7 @@ class SparseConvChain(nn.Module):
                 f"(got stride {stride_total}, {in_channels} -> {channels[-1]}); use shortcut='projection'"
             )
         if memory_budget_mb <= 0:
-            raise ValueError(f"{name}: memory_budget_mb must be > 0, got {memory_budget_mb}")
+            raise ConfigError(f"{name}: memory_budget_mb must be > 0, got {memory_budget_mb}")
         self.name = name
         self.in_channels = in_channels
         self.out_channels = channels[-1]
@@ -197,6 +198,12 @@ class SparseConvChain(nn.Module):
         if self.proj_bn is not None:
             self.slot_levels += (L,)
         self._geometry_cache: dict[tuple[int, int, tuple[int, int]], ChainGeometry] = {}
+
+    def extra_repr(self) -> str:
+        convs = ", ".join(f"{s.ksize}x{s.ksize}/{s.stride}" for s in self.specs)
+        return (f"{self.name}: {self.in_channels} -> {self.out_channels}, convs [{convs}], shortcut={self.shortcut}, "
+                f"preact={self.preact}, block_size={self.block_size}, tol={self.tol}"
+                + (", avgpool" if self.avgpool else ""))
 
     # ---------------------------------------------------------------------------------- helpers
     @property

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from detector.errors import ConfigError
 from detector.ops import block_activity
 
 from .cost import CostModel, dense_macs, load_or_calibrate, sparse_macs
@@ -41,10 +42,10 @@ log = logging.getLogger(__name__)
 
 
 def check_setting(value: object, what: str) -> int | str:
-    """An int >= 1, 'dense' or 'auto' (else ValueError naming ``what``)."""
+    """An int >= 1, 'dense' or 'auto' (else a ConfigError naming ``what``)."""
     if value in (AUTO, DENSE) or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         return value
-    raise ValueError(f"{what} must be an int >= 1, 'auto' or 'dense', got {value!r}")
+    raise ConfigError(f"{what} must be an int >= 1, 'auto' or 'dense', got {value!r}")
 
 
 @dataclass(frozen=True)

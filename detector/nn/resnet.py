@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from detector.errors import ConfigError
+
 from .chain import ActiveBlocks, SparseConvChain
 from .plan import AUTO, DENSE, Planner, StageInput, check_setting, measure
 
@@ -156,14 +158,14 @@ class SparseResNet(nn.Module):
         super().__init__()
         n = len(stage_units)
         if not (n == len(stage_channels) == len(stage_strides)) or n == 0:
-            raise ValueError(
+            raise ConfigError(
                 "SparseResNet: stage_units, stage_channels and stage_strides must have the same length >= 1"
             )
         if any(u < 1 for u in stage_units):
-            raise ValueError(f"SparseResNet: every stage needs >= 1 unit, got {list(stage_units)}")
+            raise ConfigError(f"SparseResNet: every stage needs >= 1 unit, got {list(stage_units)}")
         sizes = [block_size] * (n + 1) if isinstance(block_size, (int, str)) else list(block_size)  # any sequence
         if len(sizes) != n + 1:
-            raise ValueError(
+            raise ConfigError(
                 f"SparseResNet: block_size needs {n + 1} entries (stem, then each stage), got {len(sizes)}"
             )
         for b in sizes:
@@ -231,6 +233,10 @@ class SparseResNet(nn.Module):
             H, W = out[-1].rest_hw
             mask = rest
         return out
+
+    def extra_repr(self) -> str:
+        return (f"block_sizes={self.block_sizes} (stem, then each stage; auto: the planner's per batch), "
+                f"tol={self.tol}, channels_last={self.channels_last}")
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
                 modes: list[int | str] | None = None, times: dict[str, float] | None = None) -> list[torch.Tensor]:
