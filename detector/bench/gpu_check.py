@@ -16,10 +16,15 @@ times out is named in the summary and the later steps still run while budget is 
 3. ``build``   the extension with CUDA (``detector.ops._library.build(with_cuda=True)``), MAX_JOBS = cores,
                TORCH_CUDA_ARCH_LIST = the device's capability (e.g. 9.0);
 4. ``pytest``  ``pytest -m gpu tests`` (junit XML to out/pytest_gpu.xml);
-5. ``bench_sparse`` with ``device=cuda dtype=float32|bfloat16`` at 50 % and 90 % sparsity (no spconv), and
+5. ``gpu_units`` ``detector/bench/gpu_units.py``: the sync-free path of issue 42 (capacity buckets, fused Triton
+   kernels, CUDA graphs) against dense eager and dense captured, float32 and bfloat16: the stage-1 bottleneck unit at
+   50 % / 90 % sparsity, batch 1 and 8 (forward; forward + backward by the exact path), the bev=kitti backbone per
+   batch, a training step at batch 8, kernels and host syncs per forward; merged into sparse_gpu.*, model_gpu.* and
+   profile_gpu.md (the files that come back stay at 8);
+6. ``bench_sparse`` with ``device=cuda dtype=float32|bfloat16`` at 50 % and 90 % sparsity (no spconv), and
    ``bench_model`` (float32) on the dataset ``data`` with masks ``none,predicted`` (road_map and ground masks
    need open3d), skipped when ``data`` holds no dataset;
-6. ``profile`` ``scripts/profile_gpu.py``: the detector dense, sparse at a fixed tile and with the plan, timed
+7. ``profile`` ``scripts/profile_gpu.py``: the detector dense, sparse at a fixed tile and with the plan, timed
    and profiled (kernels and host syncs per run, top operators) at bev=kitti and on make train's model.
 
 Output in ``out`` (default build/gpu_check/out), at most 8 files so that all of it comes back from the
@@ -62,8 +67,9 @@ REPO = Path(__file__).resolve().parents[2]
 WORK = REPO / "build" / "gpu_check"
 DTYPES = ("float32", "bfloat16")
 DEFAULTS = {"wheels": "", "out": str(WORK / "out"), "data": "data/gpu_check", "budget": 480}
-CAPS = {"probe": 60, "wheels": 60, "build": 240, "pytest": 180, "bench_sparse": 120, "bench_model": 150,
-        "profile": 150}
+UNITS = "detector/bench/gpu_units.py"
+CAPS = {"probe": 60, "wheels": 60, "build": 240, "pytest": 180, "gpu_units": 170, "bench_sparse": 120,
+        "bench_model": 150, "profile": 150}
 PROBE = (
     "import importlib.util as u, json, torch\n"
     "from torch.utils.cpp_extension import CUDA_HOME\n"
@@ -125,6 +131,14 @@ def plan(args: dict) -> list[dict]:
     steps.append({"name": "pytest", "cmd": [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                                            "--continue-on-collection-errors", f"--junitxml={out / 'pytest_gpu.xml'}",
                                            "tests"]})
+    # the sync-free, fused, captured path (issue 42's goal rows) before the older benchmarks: if the budget runs
+    # out, they are what is cut. Dense baseline: the faster of eager and eager captured as a CUDA graph (compile=false:
+    # inductor's compiles of the dense units would take most of the budget; `compile=true` adds them).
+    steps.append({"name": "gpu_units", "units": True,
+                  "cmd": [py, "-m", "detector.bench.gpu_units", "device=cuda", f"dtype={','.join(DTYPES)}",
+                          "batch=1,8", "sparsity=0.5,0.9",
+                          "what=units,backbone,train,profile", "reps=10", "compile=false",
+                          f"out={work / 'gpu_units.json'}", f"md={work / 'gpu_units.md'}"]})
     for dtype in DTYPES:
         base = ["device=cuda", f"dtype={dtype}"]
         steps.append({"name": f"bench_sparse[{dtype}]", "bench": "sparse", "dtype": dtype,
@@ -143,7 +157,8 @@ def plan(args: dict) -> list[dict]:
 def check_preparation(args: dict, steps: list[dict]) -> tuple[list[str], list[str]]:
     """CPU-side checks: (errors, warnings)."""
     errors, warnings = [], []
-    for rel in ("scripts/bench_sparse.py", "scripts/bench_model.py", "detector/bench/sparse.py",
+    for rel in (UNITS, "detector/ops/triton_blocks.py", "detector/nn/graphs.py", "scripts/bench_sparse.py",
+                "scripts/bench_model.py", "detector/bench/sparse.py",
                 "detector/bench/model.py", "tests/test_ops_cuda.py", "kernels/ops.cpp",
                 "detector/ops/_library.py"):
         if not (REPO / rel).is_file():
@@ -170,9 +185,9 @@ def check_preparation(args: dict, steps: list[dict]) -> tuple[list[str], list[st
             errors.append(f"{s['name']}: malformed command {s['cmd']!r}")
         if s.get("skip"):
             warnings.append(f"{s['name']} will be skipped: {s['skip']}")
-        if "bench" in s:
-            known = script_keys(REPO / "detector" / "bench" / f"{s['bench']}.py")
-            for a in s["cmd"][2:]:
+        if "bench" in s or s.get("units"):
+            known = script_keys(REPO / (UNITS if s.get("units") else f"detector/bench/{s['bench']}.py"))
+            for a in s["cmd"][3 if s.get("units") else 2:]:
                 key = a.partition("=")[0]
                 if key not in known:
                     warnings.append(f"{s['cmd'][1]} does not take {key}= (yet): {s['name']} would fail")
@@ -239,6 +254,45 @@ def merge_benches(steps: list[dict], results: list[dict], out: Path) -> list[str
     return written
 
 
+def merge_units(steps: list[dict], results: list[dict], out: Path) -> list[str]:
+    """gpu_units' rows into the files that come back (at most 8): units into sparse_gpu.*, the backbone and
+    the training step into model_gpu.*, the kernel and sync counts into profile_gpu.md."""
+    step = next((s for s, r in zip(steps, results, strict=True) if s.get("units") and r["status"] == "passed"), None)
+    js = WORK / "gpu_units.json"
+    if step is None or not js.is_file():
+        return []
+    rows = json.loads(js.read_text())
+    written = []
+    for name, benches in (("sparse", ("units",)), ("model", ("backbone", "train_step"))):
+        sel = [r for r in rows if r.get("bench") in benches]
+        if not sel:
+            continue
+        jf, mf = out / f"{name}_gpu.json", out / f"{name}_gpu.md"
+        old = json.loads(jf.read_text()) if jf.is_file() else []
+        jf.write_text(json.dumps((old if isinstance(old, list) else [old]) + [dict(r, device="cuda") for r in sel],
+                                 indent=1) + "\n")
+        md = mf.read_text() if mf.is_file() else f"# {name} benchmark on the GPU\n"
+        mf.write_text(md + "\n" + _units_md(sel))
+        written += [jf.name, mf.name]
+    prof = [r for r in rows if r.get("bench") == "profile"]
+    if prof:
+        pf = out / "profile_gpu.md"
+        pf.write_text((pf.read_text() if pf.is_file() else "") + "\n" + _units_md(prof))
+        written.append(pf.name)
+    return written
+
+
+def _units_md(rows: list[dict]) -> str:
+    out = []
+    for bench in dict.fromkeys(r["bench"] for r in rows):
+        sel = [r for r in rows if r["bench"] == bench]
+        keys = [k for k in sel[0] if k != "bench"]
+        out += [f"## {bench} (sync-free capacity path: {UNITS})", "", "| " + " | ".join(keys) + " |",
+                "|" + "---|" * len(keys)]
+        out += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in sel] + [""]
+    return "\n".join(out)
+
+
 def probe_python() -> dict:
     """torch, CUDA and the packages of this interpreter, asked in a child process (it may lack torch)."""
     try:
@@ -295,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                     results[-1]["status"] = "failed"
                     print("  pytest: every gpu test skipped: counted as failed")
     written = merge_benches(steps, results, out)
+    written = sorted(set(written) | set(merge_units(steps, results, out)))
     ok = all(r["status"] == "passed" for r in results)
     summary = {"ok": ok, "budget_s": args["budget"], "elapsed_s": round(time.monotonic() - t_start, 1),
                "probe": probe, "timed_out": [r["name"] for r in results if r["status"] == "timed_out"],
