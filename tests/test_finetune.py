@@ -147,7 +147,6 @@ def test_folds_of_the_real_frames(kitti_real):
     assert sorted(i for f in folds for i in f.held_out) == ids
 
 
-@pytest.mark.slow
 def test_finetune_cv_end_to_end_on_a_tiny_root(tmp_path, tiny_root, car_ckpt):
     """Two folds of the six simulated frames (standing in for the real ones), one fine-tuning epoch each."""
     from detector.bench.finetune_cv import main
