@@ -71,7 +71,13 @@ def test_model_and_mask_options(tmp_path, tiny_root, model, mask):
 
 @pytest.mark.parametrize("data", _options("data"))
 def test_data_options(tmp_path, tiny_root, data):
-    cfg = _cfg(tmp_path, tiny_root, f"data={data}", "data.augment=null")
+    root = tiny_root
+    if data == "lidar":  # a LiDAR-only root: the same frames converted
+        from detector.data.convert import convert_kitti_to_lidar
+
+        root = tmp_path / "lidar"
+        convert_kitti_to_lidar(tiny_root, root)
+    cfg = _cfg(tmp_path, root, f"data={data}", "data.augment=null")
     dm = build_datamodule(cfg.data, cfg.mask, build_grid(cfg.bev), True)
     dm.setup("fit")
     n_train, n_val = len(dm.dataset("train")), len(dm.dataset("val"))

@@ -8,6 +8,6 @@ GPU machine's own ``python3``, before the package can be imported).
 """
 
 __all__ = [
-    "compare_domains", "data", "estimate_memory", "eval", "export", "gpu_check", "loader", "mask", "memory", "model",
-    "ops", "profile_gpu", "sim2real", "sparse", "tradeoff", "train", "voxelize",
+    "compare_domains", "data", "estimate_memory", "eval", "export", "finetune_cv", "gpu_check", "gpu_units", "loader",
+    "mask", "memory", "model", "ops", "profile_gpu", "sim2real", "sparse", "tradeoff", "train", "voxelize",
 ]
