@@ -164,3 +164,20 @@ def test_a_cuda_only_edit_leaves_the_cpu_library_up_to_date(tmp_path):
     os.utime(src / "common.h", (3000, 3000))
     assert _library._stale(lib, src, with_cuda=False)
     assert _library._stale(tmp_path / "missing.so", src, with_cuda=False)
+
+
+def test_every_package_declares_its_api():
+    """Each package of ``detector`` declares ``__all__``, and every name in it is importable from the package (a
+    name its ``__init__`` imports, or one of its modules)."""
+    import importlib
+    import pkgutil
+
+    import detector
+
+    packages = [m.name for m in pkgutil.walk_packages(detector.__path__, "detector.") if m.ispkg]
+    assert {"detector.data", "detector.models", "detector.nn", "detector.ops", "detector.eval"} <= set(packages)
+    for name in packages:
+        pkg = importlib.import_module(name)
+        assert isinstance(getattr(pkg, "__all__", None), list | tuple), f"{name}/__init__.py declares no __all__"
+        for item in pkg.__all__:
+            assert hasattr(pkg, item) or importlib.util.find_spec(f"{name}.{item}") is not None, f"{name}.{item}"
