@@ -11,6 +11,7 @@ from tests.test_plan import COST_OVERRIDE
 from tests.test_train import TINY
 
 
+@pytest.mark.slow  # over a minute on a 2-core CPU: make test-all (CI stays under 15 minutes)
 def test_bench_train_side_by_side_writes_both_runs(tmp_path, tiny_root):
     extra = [o for o in TINY if not o.startswith(("model.block_size", "model.head_block_size"))]
     extra += ["model.block_size=auto", "model.head_block_size=auto", COST_OVERRIDE, "trainer.max_steps=2",

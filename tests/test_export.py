@@ -221,6 +221,7 @@ def test_export_command_and_bad_input(tiny_ckpt, tmp_path, capsys):
     assert "no saved config" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # over a minute on a 2-core CPU: make test-all (CI stays under 15 minutes)
 def test_compile_has_no_graph_break_and_equals_eager(exported):
     model, result = exported
     net = result["input"][0]
@@ -248,6 +249,7 @@ def test_inductor_compile_of_the_sparse_network_equals_eager(exported):
             assert _err(net(bev, mask), compiled(bev, mask)) <= TOL
 
 
+@pytest.mark.slow  # over a minute on a 2-core CPU: make test-all (CI stays under 15 minutes)
 def test_evaluate_backends_give_the_eager_table(tiny_ckpt, tiny_root, tmp_path):
     from detector.tasks import evaluate_checkpoint
 
