@@ -96,6 +96,22 @@ def write_imageset(path: str | Path, ids: list[str]) -> None:
     Path(path).write_text("".join(f"{i}\n" for i in ids))
 
 
+def split_names(root: Path) -> list[str]:
+    """Names of a dataset root's image sets (``ImageSets/<name>.txt``), sorted."""
+    return sorted(p.stem for p in (root / "ImageSets").glob("*.txt"))
+
+
+def split_file(root: Path, name: str) -> Path:
+    """``root/ImageSets/<name>.txt``; missing, a :class:`KittiFormatError` naming it and the splits there are (the
+    same for KITTI and LiDAR-only roots)."""
+    path = root / "ImageSets" / f"{name}.txt"
+    if not path.is_file():
+        there = split_names(root)
+        raise KittiFormatError(path, f"split '{name}' not found: " + (
+            f"the splits here are {', '.join(there)}" if there else "this root has no ImageSets/*.txt"))
+    return path
+
+
 # --------------------------------------------------------------------------------------------------
 # A KITTI-format root
 # --------------------------------------------------------------------------------------------------
@@ -115,16 +131,10 @@ class KittiRoot:
 
     def imageset(self, name: str) -> list[str]:
         """Frame ids of ``ImageSets/{name}.txt``; a missing file is an error naming the splits there are."""
-        path = self.root / "ImageSets" / f"{name}.txt"
-        if not path.is_file():
-            there = self.splits()
-            raise KittiFormatError(path, f"split '{name}' not found: " + (
-                f"the splits here are {', '.join(there)}" if there else "this root has no ImageSets/*.txt"))
-        return read_imageset(path)
+        return read_imageset(split_file(self.root, name))
 
     def splits(self) -> list[str]:
-        """Names of the root's image sets (``ImageSets/<name>.txt``), sorted."""
-        return sorted(p.stem for p in (self.root / "ImageSets").glob("*.txt"))
+        return split_names(self.root)
 
     def path(self, kind: str, frame_id: str) -> Path:
         ext = {"velodyne": "bin", "road_map": "png", "image_2": "png"}.get(kind, "txt")

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from detector.data.kitti import KittiRoot
+from detector.data.kitti import KittiRoot, split_file, split_names
 from detector.data.lidar_labels import LidarLabels, read_lidar_label
 from detector.data.pointcloud import read_point_cloud
 from detector.errors import ConfigError, KittiFormatError
@@ -90,15 +90,10 @@ class LidarRoot:
 
     # --- files ------------------------------------------------------------------------------------
     def imageset(self, name: str) -> list[str]:
-        path = self.root / "ImageSets" / f"{name}.txt"
-        if not path.is_file():
-            there = self.splits()
-            raise KittiFormatError(path, f"split '{name}' not found: " + (
-                f"the splits here are {', '.join(there)}" if there else "this root has no ImageSets/*.txt"))
-        return read_split_ids(path)
+        return read_split_ids(split_file(self.root, name))
 
     def splits(self) -> list[str]:
-        return sorted(p.stem for p in (self.root / "ImageSets").glob("*.txt"))
+        return split_names(self.root)
 
     @property
     def labels_dir(self) -> Path:
