@@ -52,7 +52,7 @@ def writable_file(path: str | Path, key: str) -> Path:
     path = Path(path).expanduser()
     if path.is_dir():
         raise ConfigError(f"{key}={path}: is a folder; give a file name")
-    writable_dir(path.parent if str(path.parent) else Path("."), key)
+    writable_dir(path.parent, key)
     if path.exists() and not os.access(path, os.W_OK):
         raise ConfigError(f"{key}={path}: the file exists and is not writable; choose another path")
     return path

@@ -64,14 +64,8 @@ def inspect(root: str, split_dir: str = "training", max_frames: int = 0) -> tupl
         for name, c in zip(f.gt_names, f.gt_boxes.center.numpy(), strict=True):
             dist[name].append(float(np.hypot(c[0], c[1])))
 
-    lines = [f"KITTI-format root: {Path(root).resolve()}  ({split_dir})"]
-    lines.append(f"frames on disk: {len(on_disk)}" + (f" (checked {len(ids)})" if len(ids) < len(on_disk) else ""))
-    for name, s in splits.items():
-        lines.append(f"  split {name:<10} {len(s):6d} frames")
-    lines.append(f"road maps: {'yes' if road else 'no'}")
-    if n_points:
-        p = np.array(n_points)
-        lines.append(f"points per frame: mean {p.mean():.0f}, min {p.min()}, max {p.max()}")
+    lines = _summary_head(f"KITTI-format root: {Path(root).resolve()}  ({split_dir})", on_disk, ids, splits,
+                          f"road maps: {'yes' if road else 'no'}", n_points)
     if per_class:
         lines.append("")
         header = f"{'class':<15}{'objects':>9}{'easy':>8}{'moderate':>10}{'hard':>8}"
@@ -85,6 +79,18 @@ def inspect(root: str, split_dir: str = "training", max_frames: int = 0) -> tupl
         total = sum(c["total"] for c in per_class.values())
         lines.append(f"objects per frame (all classes, DontCare included): {total / frames_lab:.1f}")
     return "\n".join(lines), errors
+
+
+def _summary_head(title: str, on_disk: list[str], ids: list[str], splits: dict[str, list[str]], extra: str,
+                  n_points: list[int]) -> list[str]:
+    """The lines both kinds of root start their summary with: frames, splits, ``extra``, points per frame."""
+    lines = [title, f"frames on disk: {len(on_disk)}" + (f" (checked {len(ids)})" if len(ids) < len(on_disk) else "")]
+    lines += [f"  split {name:<10} {len(s):6d} frames" for name, s in splits.items()]
+    lines.append(extra)
+    if n_points:
+        p = np.array(n_points)
+        lines.append(f"points per frame: mean {p.mean():.0f}, min {p.min()}, max {p.max()}")
+    return lines
 
 
 LIDAR_CLASSES = "Car,Pedestrian,Cyclist,Truck,Bus"  # configs/data/lidar.yaml's
@@ -119,14 +125,9 @@ def inspect_lidar(root: str, max_frames: int = 0, classes: str = LIDAR_CLASSES) 
         for name, c in zip(f.labels.name, f.labels.boxes, strict=True):
             per_class[name] += 1
             dist[name].append(float(np.hypot(c[0], c[1])))
-    lines = [f"LiDAR-only root: {Path(root).resolve()}"]
-    lines.append(f"frames on disk: {len(on_disk)}" + (f" (checked {len(ids)})" if len(ids) < len(on_disk) else ""))
-    for name, s in splits.items():
-        lines.append(f"  split {name:<10} {len(s):6d} frames")
-    lines.append(f"labels: {'yes' if lroot.has_labels() else 'no'}; no calibration, images or road maps")
-    if n_points:
-        p = np.array(n_points)
-        lines.append(f"points per frame: mean {p.mean():.0f}, min {p.min()}, max {p.max()}")
+    lines = _summary_head(f"LiDAR-only root: {Path(root).resolve()}", on_disk, ids, splits,
+                          f"labels: {'yes' if lroot.has_labels() else 'no'}; no calibration, images or road maps",
+                          n_points)
     if per_class:
         lines.append("")
         lines.append(f"{'class':<15}{'objects':>9}   distance m (min / median / max)")

@@ -78,12 +78,7 @@ def read_point_cloud(path: str | Path, fmt: str = "auto", drop_nonfinite: bool =
     """Read a point cloud of any format (``fmt`` ``auto``: by the extension) into [N, 4] float32 points."""
     path = Path(path)
     fmt = cloud_format(path, fmt)
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise KittiFormatError(path, "point cloud file not found") from None
-    if size == 0:
-        raise KittiFormatError(path, "empty point cloud (0 bytes)")
+    _nonempty_size(path)
     if fmt == "bin":
         points, has_intensity = read_bin(path), True
     elif fmt == "npy":
@@ -98,16 +93,22 @@ def read_point_cloud(path: str | Path, fmt: str = "auto", drop_nonfinite: bool =
     return PointCloud(path, points, has_intensity, dropped)
 
 
-def read_bin(path: str | Path) -> np.ndarray:
-    """[N, 4] float32 of a KITTI velodyne ``.bin`` as stored (see :func:`finite_points`); rejects truncated and
-    empty files."""
-    path = Path(path)
+def _nonempty_size(path: Path) -> int:
+    """The file's size in bytes; a missing or empty file is a :class:`KittiFormatError` naming it."""
     try:
         size = path.stat().st_size
     except FileNotFoundError:
         raise KittiFormatError(path, "point cloud file not found") from None
     if size == 0:
         raise KittiFormatError(path, "empty point cloud (0 bytes)")
+    return size
+
+
+def read_bin(path: str | Path) -> np.ndarray:
+    """[N, 4] float32 of a KITTI velodyne ``.bin`` as stored (see :func:`finite_points`); rejects truncated and
+    empty files."""
+    path = Path(path)
+    size = _nonempty_size(path)
     if size % 16:
         raise KittiFormatError(
             path, f"truncated point cloud: {size} bytes is not a multiple of 16 (4 float32 per point)"
