@@ -25,7 +25,7 @@ namespace sbnet {
 // Numbers in messages: formatted by std::to_string, never streamed. A compiler that links parts of libstdc++
 // into the library statically (as some GPU machines' toolchains do) gives it its own copy of the stream's
 // number formatting (std::ostream::_M_insert<long>), whose locale facets are not the process's: streaming a
-// size list into a TORCH_CHECK message segfaulted there instead of raising (tests/test_ops_cuda.py). Strings
+// size list into a TORCH_CHECK message segfaulted there instead of raising (tests/ops/test_cuda.py). Strings
 // and c10's own types (dtype, device) stream safely.
 inline std::string num(int64_t v) { return std::to_string(v); }
 

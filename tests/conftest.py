@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from detector.data.kitti_calib import Calibration
-
-KITTI_REAL = Path(__file__).resolve().parents[1].parent / "shared" / "kitti_real"
+from tests.paths import KITTI_REAL
 
 
 def make_calib(rot_deg: float = 0.0) -> Calibration:

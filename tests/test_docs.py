@@ -22,8 +22,8 @@ from omegaconf import OmegaConf
 
 from detector import cli
 from detector.resources import config_dir
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 HYDRA_SCRIPTS = {"train.py": "train", "evaluate.py": "eval"}
 # Placeholders the docs write where the reader puts their own value.

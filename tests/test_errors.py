@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from detector.errors import CheckpointError, ConfigError, KittiFormatError, is_user_error, one_line, run_cleanly
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.paths import REPO
 
 
 def _instantiation_error(node: dict) -> Exception:

@@ -28,11 +28,11 @@ from detector.export import (
 from detector.ops import calc_block_params, reduce_mask
 from detector.ops.reference import reduce_mask as reference_reduce_mask
 from detector.tasks import load_detector, train
+from tests.paths import REPO
 
 from .test_train import _cfg
 
 TOL = 1e-4
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +140,8 @@ def test_a_saved_program_loads_after_import_detector_alone(exported, tmp_path):
         heat, reg = net(bev, mask)
     torch.save((bev, mask, heat, reg), tmp_path / "io.pt")
     args = [str(onnx.path.with_suffix(".pt2")), str(tmp_path / "io.pt")]  # the fixture saved input.pt2 beside it
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    res = subprocess.run([sys.executable, "-c", _LOAD_ALONE, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    res = subprocess.run([sys.executable, "-c", _LOAD_ALONE, *args], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     loaded, export_imported, err = res.stdout.split()
@@ -153,8 +153,8 @@ def test_a_saved_program_loads_after_import_detector_alone(exported, tmp_path):
 def test_import_detector_does_not_build_the_kernels(tmp_path):
     """An empty build folder: importing loads nothing and compiles nothing (the first use of the ops builds)."""
     code = "import detector; from detector.ops import _library; print(sorted(_library._devices), _library._attempted)"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), DETECTOR_KERNELS_BUILD_DIR=str(tmp_path / "build"))
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    env = dict(os.environ, PYTHONPATH=str(REPO), DETECTOR_KERNELS_BUILD_DIR=str(tmp_path / "build"))
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.split() == ["[]", "False"]
     assert not (tmp_path / "build").exists()
@@ -287,8 +287,8 @@ def test_load_program_without_the_kernels_names_the_file_and_make_kernels(tmp_pa
     dense = tmp_path / "dense.pt2"
     torch.export.save(torch.export.export(torch.nn.Conv2d(1, 1, 3), (torch.ones(1, 1, 8, 8),)), str(dense))
     assert program_sbnet_ops(dense) == set()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), DETECTOR_NO_KERNELS="1")
-    res = subprocess.run([sys.executable, "-c", _LOAD_WITHOUT_KERNELS, str(path)], cwd=ROOT, env=env,
+    env = dict(os.environ, PYTHONPATH=str(REPO), DETECTOR_NO_KERNELS="1")
+    res = subprocess.run([sys.executable, "-c", _LOAD_WITHOUT_KERNELS, str(path)], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     line = res.stdout.strip()

@@ -18,9 +18,9 @@ from detector.callbacks import init_from_checkpoint, load_checkpoint
 from detector.data.kitti import KittiRoot
 from detector.errors import ConfigError
 from detector.tasks import build_grid, build_model, train
+from tests.paths import REPO
 from tests.test_train import TINY
 
-REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 # a few steps, no evaluation, no validation: what these tests look at is the weights and the counters
 SHORT = ["callbacks.model_checkpoint=null", "evaluate_after=false", "logger=none", "trainer.limit_val_batches=0",

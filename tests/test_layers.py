@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = ROOT / "detector"
+from tests.paths import REPO
+
+PACKAGE = REPO / "detector"
 
 LAYERS: list[tuple[str, ...]] = [
     # the floor: error types and their one-line report, where the non-Python folders are, key=value
@@ -45,7 +46,7 @@ KNOWN_UPWARD: dict[tuple[str, str], str] = {}
 
 
 def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 

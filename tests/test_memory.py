@@ -7,7 +7,6 @@ import dataclasses
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,10 +15,10 @@ from detector.bench import estimate_memory
 from detector.bench import memory as bench_memory
 from detector.memory import MB, estimate, measure_peak, stage_shares, tensor_bytes
 from detector.tasks import build_datamodule, build_grid, build_model
+from tests.paths import REPO
 
 from .test_train import _cfg
 
-REPO = Path(__file__).resolve().parents[1]
 # bev=small's grid and the shipped CPU model (configs/model/sparse.yaml; the tiny test model's overrides undone),
 # fixed tiles. The estimate's dense-conv input copy is measured on this layout (a narrower stem does not copy).
 SMALL = ["model.backbone.stem_channels=24", "model.backbone.stage_channels=[48,64,96,128]",

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.paths import REPO
+
 SHIPPED = ("pyproject.toml", "README.md", "detector", "kernels", "configs")
 ENTRY_POINTS = ("detector-train", "detector-evaluate", "detector-kitti-eval", "detector-make-dataset",
                 "detector-inspect-dataset", "detector-visualize", "detector-export", "detector-predict")

@@ -18,14 +18,14 @@ from detector.commands import predict as predict_cmd
 from detector.data.pointcloud import list_point_clouds, read_point_cloud, sanity_notes, write_point_cloud
 from detector.errors import KittiFormatError
 from detector.geometry.voxelize import BevGrid
-from tests import test_eval_app
+from tests.eval import test_app as eval_app
+from tests.paths import REPO
 from tests.test_train import _cfg
 
 # the fixtures of the evaluation's tests: a hand-built KITTI root of 12 frames and a checkpoint trained on it (one step)
-car_root = test_eval_app.car_root
-predicted_ckpt = test_eval_app.predicted_ckpt
+car_root = eval_app.car_root
+predicted_ckpt = eval_app.predicted_ckpt
 
-REPO = Path(__file__).resolve().parents[1]
 FORMATS = ("bin", "npy", "pcd", "ply")
 SMALL = BevGrid((0.0, 51.2), (-19.2, 19.2), (-2.5, 1.0), 0.2, 0.35)  # configs/bev/small.yaml
 

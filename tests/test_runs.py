@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from detector.callbacks import load_checkpoint
+from tests.paths import REPO
 from tests.test_train import TINY, _cfg
 
-REPO = Path(__file__).resolve().parents[1]
 QUIET = ["logger=none", "evaluate_after=false"]
 
 

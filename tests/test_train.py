@@ -20,9 +20,8 @@ from omegaconf import OmegaConf
 from detector.callbacks import load_checkpoint
 from detector.errors import CheckpointError, ConfigError
 from detector.tasks import build_datamodule, build_grid, build_model, evaluate_checkpoint, train, validate_config
+from tests.paths import CONFIGS, REPO
 
-REPO = Path(__file__).resolve().parents[1]
-CONFIGS = REPO / "configs"
 TINY = [
     "bev.x_range=[0,25.6]", "bev.y_range=[-12.8,12.8]", "bev.z_resolution=0.5",
     "model.backbone.stem_channels=8", "model.backbone.stage_units=[1,1,1,1]",
@@ -478,7 +477,7 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, tiny_root):
 def test_ddp_two_processes_on_cpu(tmp_path, tiny_root):
     r = _run_script("scripts/train.py", f"paths.output_dir={tmp_path}", f"data.root={tiny_root}", *TINY,
                     "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_epochs=1",
-                    "trainer.sync_batchnorm=false",  # torch's SyncBatchNorm is GPU-only (tests/test_nn_ddp.py)
+                    "trainer.sync_batchnorm=false",  # torch's SyncBatchNorm is GPU-only (tests/nn/test_ddp.py)
                     "trainer.check_val_every_n_epoch=1", "model.score_threshold=0.0",
                     "evaluate_after=false", timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -488,7 +487,7 @@ def test_ddp_two_processes_on_cpu(tmp_path, tiny_root):
     assert score is not None  # the monitored validation AP was computed
     # It came from both processes' records, gathered, so it equals one process evaluating the same weights
     # on the whole val split with the same decode settings. (After one epoch the tiny model may score 0
-    # here; tests/test_eval_records.py checks the gathered records give the one-process AP on real counts.)
+    # here; tests/eval/test_records.py checks the gathered records give the one-process AP on real counts.)
     metrics = evaluate_checkpoint(last, _cfg(tmp_path, tiny_root).data, tmp_path / "eval", split="val")
     assert float(score) == metrics["Car"]["bev"]["R40"]["moderate"]
 

@@ -36,7 +36,7 @@ status 0 when every step passed.
 ``--dry-run``, and any run on a machine without a CUDA GPU (or without torch), checks the CPU-side
 preparation (scripts and sources exist, wheels folder readable and holding wheels, out writable, each
 command's key=value arguments known to its benchmark module) and prints the plan; exit status 0 unless a check
-failed. tests/test_ops_cuda_gpu_check.py runs it in the default suite.
+failed. tests/bench/test_gpu_check.py runs it in the default suite.
 
 Preparing the inputs here (the GPU machine has no internet; both folders are git-ignored, so name them in
 the device tool's ``carry``):
@@ -159,7 +159,7 @@ def check_preparation(args: dict, steps: list[dict]) -> tuple[list[str], list[st
     errors, warnings = [], []
     for rel in (UNITS, "detector/ops/triton_blocks.py", "detector/nn/graphs.py", "scripts/bench_sparse.py",
                 "scripts/bench_model.py", "detector/bench/sparse.py",
-                "detector/bench/model.py", "tests/test_ops_cuda.py", "kernels/ops.cpp",
+                "detector/bench/model.py", "tests/ops/test_cuda.py", "kernels/ops.cpp",
                 "detector/ops/_library.py"):
         if not (REPO / rel).is_file():
             errors.append(f"{rel} is missing")

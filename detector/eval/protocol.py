@@ -1,7 +1,7 @@
 """The KITTI object-detection evaluation protocol: its constants and its scalar rules.
 
 Written from the protocol of the KITTI devkit (``evaluate_object``), which defines the official numbers.
-Each rule below has a hand-built test (tests/test_eval_protocol.py, tests/test_eval_metric.py) whose
+Each rule below has a hand-built test (tests/eval/test_protocol.py, tests/eval/test_kitti_metric.py) whose
 expected AP follows from the rule as stated here.
 
 Reading
@@ -59,7 +59,7 @@ Deliberate differences from the devkit (each documented where it is decided):
       or misreads them). In result files ``occluded`` need not be an integer (the devkit ignores it).
   D6. Our result writer computes a detection's alpha as rotation_y − atan2(x, z) (the ray from the camera,
       :func:`detector.data.kitti_labels.observation_angle`); real KITTI labels agree to their 2 decimals far away
-      but differ by up to ~0.3 m / distance near the sensor (0.049 rad at 4 m; tests/test_eval_records.py),
+      but differ by up to ~0.3 m / distance near the sensor (0.049 rad at 4 m; tests/eval/test_records.py),
       which costs AOS at most (1 − cos 0.05) / 2 ≈ 0.06 % on such a detection.
 
 LiDAR-only datasets (no images: :mod:`detector.eval.lidar_metric`; our rule, not KITTI's)

@@ -257,7 +257,7 @@ class SparseConvChain(nn.Module):
     def _subsample(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` at the projection's stride: a 1x1 stride-S convolution is the 1x1 convolution of every S-th
         pixel (what the sparse path computes too). Run that way because torch 2.13's CPU backward of a 1x1
-        stride-2 convolution on a channels-last map crashes (heap corruption); see tests/test_nn_units.py."""
+        stride-2 convolution on a channels-last map crashes (heap corruption); see tests/nn/test_units.py."""
         S = self.stride
         return x if S == 1 else x[:, :, ::S, ::S]
 

@@ -1,4 +1,4 @@
-// CPU emulation of the sbnet CUDA kernels, built only for the tests (tests/cuda_emulation.py).
+// CPU emulation of the sbnet CUDA kernels, built only for the tests (tests/ops/cuda_emulation.py).
 //
 // Registers the ops of kernels/schemas.h under the namespace sbnet_emu (torch.ops.sbnet_emu.*, CPU
 // tensors). Each op is the CUDA file's own host code (cuda/<op>.h: checks, allocation, dtype dispatch,

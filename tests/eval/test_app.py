@@ -22,9 +22,9 @@ from detector.geometry.boxes import Boxes3D
 from detector.models.detector import BevDetector
 from detector.tasks import evaluate_checkpoint, train
 from tests.conftest import make_calib
+from tests.paths import REPO
 from tests.test_train import _cfg
 
-REPO = Path(__file__).resolve().parents[1]
 N_FRAMES, CARS = 12, 8  # 96 cars, all easy: AP 100 needs at least 41 counted GT per level
 
 

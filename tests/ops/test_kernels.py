@@ -14,6 +14,7 @@ import torch
 
 import detector.ops as ops
 from detector.ops import _library, calc_block_params, reference
+from tests.paths import REPO
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
@@ -413,7 +414,7 @@ def test_no_kernels_env_var_in_fresh_process():
     )
     env = dict(os.environ, DETECTOR_NO_KERNELS="1")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                         cwd=REPO)
     assert res.returncode == 0, res.stderr
     count, _, rest = res.stdout.strip().partition(" ")
     assert count == "1" and "DETECTOR_NO_KERNELS" in rest and "reference" in rest

@@ -12,8 +12,8 @@ import torch
 
 from detector.bench import sim2real as bench
 from detector.data.kitti_labels import read_label
-from tests.test_eval_app import car_root, oracle, predicted_ckpt  # noqa: F401 (fixtures)
-from tests.test_train import REPO
+from tests.eval.test_app import car_root, oracle, predicted_ckpt  # noqa: F401 (fixtures)
+from tests.paths import REPO
 
 
 def _distances(root: Path) -> np.ndarray:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,8 +32,8 @@ from detector.data.kitti_labels import read_label, write_label
 from detector.data.road_map import RoadMap
 from detector.data.structures import Frame
 from detector.geometry.boxes import Boxes3D
-
-from .conftest import make_calib
+from tests.conftest import make_calib
+from tests.paths import CONFIGS
 
 # Coordinates are stored as float32 (up to ~50 m here: ulp 3.8e-6 m); after a transform both the points
 # and the boxes are rounded, so "inside" is checked with this slack.
@@ -225,7 +224,7 @@ def test_sim2real_experiment_composes_and_keeps_points_in_boxes(tmp_path):
 
     write_root(tmp_path)
     GlobalHydra.instance().clear()
-    with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "configs"), version_base="1.3"):
+    with initialize_config_dir(str(CONFIGS), version_base="1.3"):
         cfg = compose("train", overrides=["experiment=sim2real", f"data.root={tmp_path}"])
     aug = instantiate(cfg.data.augment)
     assert [type(op).__name__ for op in aug.ops] == [

@@ -20,7 +20,7 @@ from detector.eval.kitti_metric import evaluate
 from detector.eval.protocol import KITTI_LEVELS, NO_DETECTION, distance_levels
 from detector.eval.reference import reference_curve
 from detector.eval.synthetic import synthetic_set
-from tests.test_eval_metric import ev, perfect, rec
+from tests.eval.test_kitti_metric import ev, perfect, rec
 
 FULL, TOP_FP, ONE_MISSED = 100.0, 41 / 42 * 100, 39 / 40 * 100
 LEVELS = ("easy", "moderate", "hard")

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-KERNELS = ROOT / "kernels"
+from tests.paths import REPO
+
+KERNELS = REPO / "kernels"
 SOURCE = KERNELS / "emulate" / "cuda_bodies.cpp"
 
 _lock = threading.Lock()
@@ -24,7 +25,7 @@ _loaded = False
 
 
 def build_dir() -> Path:
-    return ROOT / "build" / "sbnet_cuda_emulation" / f"torch{torch.__version__}"
+    return REPO / "build" / "sbnet_cuda_emulation" / f"torch{torch.__version__}"
 
 
 def load(verbose: bool = False):

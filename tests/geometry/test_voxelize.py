@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
 from detector.geometry.voxelize import BevGrid, voxelize
+from tests.paths import CONFIGS
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "bev"
+BEV = CONFIGS / "bev"
 
 
 def _brute_axis(v: float, lo: float, hi: float, res: float, n: int) -> int | None:
@@ -181,11 +180,11 @@ def test_configs_instantiate_with_expected_shapes():
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    kitti = instantiate(OmegaConf.load(CONFIGS / "kitti.yaml"))
+    kitti = instantiate(OmegaConf.load(BEV / "kitti.yaml"))
     assert isinstance(kitti, BevGrid)
     assert (kitti.H, kitti.W, kitti.C, kitti.n_slices) == (800, 704, 36, 35)
     assert kitti.x_range == (0.0, 70.4) and kitti.y_range == (-40.0, 40.0) and kitti.z_range == (-2.5, 1.0)
-    small = instantiate(OmegaConf.load(CONFIGS / "small.yaml"))
+    small = instantiate(OmegaConf.load(BEV / "small.yaml"))
     assert isinstance(small, BevGrid)
     assert small.H % 32 == 0 and small.W % 32 == 0
     assert (small.H, small.W, small.C) == (192, 256, 11)

@@ -17,8 +17,7 @@ from detector.data.structures import Frame, collate_frames
 from detector.geometry.box_masks import boxes_mask, close, dilate
 from detector.geometry.boxes import Boxes3D
 from detector.geometry.voxelize import BevGrid
-
-from .conftest import make_calib
+from tests.conftest import make_calib
 
 GRID = BevGrid((-4.0, 4.0), (-6.0, 6.0), (-1.0, 1.0), 0.2, 0.5)  # H=60, W=40
 

@@ -4,7 +4,7 @@ The `gpu`-marked cases skip without a CUDA device (`pytest -m gpu` selects them;
 them). Op results are compared with the pure-PyTorch reference on the CPU: values are multiples of 1/4,
 which every dtype holds and adds exactly, so forward and backward must be equal bit for bit in
 float32, float16 and bfloat16 whatever the summation order. The CUDA build itself is compile-checked by
-tests/test_ops_cuda_compile.py, and its element bodies run on the CPU in tests/test_ops_cuda_bodies.py.
+tests/ops/test_cuda_compile.py, and its element bodies run on the CPU in tests/ops/test_cuda_bodies.py.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 
 import detector.ops as ops
 from detector.ops import _library, calc_block_params, reference
+from tests.paths import REPO
 
 HAS_CUDA = torch.cuda.is_available()
 GPU = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
@@ -356,13 +357,12 @@ def _native_backtrace(argv: list[str], root, tmp) -> str:
 def test_cuda_bad_input_names_the_op_and_argument(device, call, tmp_path):
     import subprocess
     import sys
-    from pathlib import Path
 
     expr, message = BAD_CUDA_CALLS[call]
     code = (
         "import torch\n"
         "from detector.ops import _library, calc_block_params\n"
-        "from tests.test_ops_cuda import GEOMETRIES, _indices\n"
+        "from tests.ops.test_cuda import GEOMETRIES, _indices\n"
         "_library.load()\n"
         "bp = calc_block_params(*GEOMETRIES[0])\n"
         "idx = _indices(bp, 2, 0.7, 15)\n"
@@ -374,7 +374,7 @@ def test_cuda_bad_input_names_the_op_and_argument(device, call, tmp_path):
         "except RuntimeError as e:\n"
         "    print('RuntimeError:', str(e).splitlines()[0])\n"
     )
-    root = Path(__file__).resolve().parents[1]
+    root = REPO
     argv = [sys.executable, "-X", "faulthandler", "-c", code]
     res = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=300)
     out = res.stdout + res.stderr

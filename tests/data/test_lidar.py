@@ -20,8 +20,7 @@ from detector.data.kitti import KittiRoot, write_points
 from detector.data.lidar import LidarRoot, open_root
 from detector.data.lidar_labels import LidarLabels, parse_lidar_label, read_lidar_label, write_lidar_label
 from detector.errors import ConfigError, KittiFormatError
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.paths import REPO
 
 
 def _root(tmp_path: Path, labels: dict[str, str], points: dict[str, np.ndarray] | None = None,
@@ -173,11 +172,11 @@ def test_train_and_evaluate_on_lidar_root(tmp_path, tiny_root):
     root = tmp_path / "lidar"
     convert_kitti_to_lidar(tiny_root, root, fov_only=True)
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "data=lidar", f"data.root={root}",
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, str(REPO / "scripts" / "train.py"), "data=lidar", f"data.root={root}",
            f"paths.output_dir={out}", *TINY, "trainer.max_steps=2", "logger=none",
            "model.classes=[Car,Truck]", "data.classes.Truck=0.6", "hydra.job.chdir=false"]
-    run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     metrics = json.loads((out / "eval" / "metrics.json").read_text())
     assert set(metrics["Truck"]) == {"bev", "3d"} and "overall" in metrics["Car"]["bev"]["R40"]
@@ -187,8 +186,8 @@ def test_train_and_evaluate_on_lidar_root(tmp_path, tiny_root):
     assert dt and all(len(line.split()) == 9 for p in dt for line in p.read_text().splitlines())
     ckpt = next((out / "checkpoints").glob("*.ckpt"))
     ev = tmp_path / "ev"
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), f"ckpt_path={ckpt}", "data=lidar",
+    run = subprocess.run([sys.executable, str(REPO / "scripts" / "evaluate.py"), f"ckpt_path={ckpt}", "data=lidar",
                           f"data.root={root}", "data.val_split=val", f"paths.output_dir={ev}",
-                          "hydra.job.chdir=false"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+                          "hydra.job.chdir=false"], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads((ev / "metrics.json").read_text())["Car"] == metrics["Car"]

@@ -6,16 +6,15 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from detector.bench import gpu_check
+from tests.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "gpu_check.py"
+SCRIPT = REPO / "scripts" / "gpu_check.py"
 
 
 def _dry_run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), "--dry-run", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, str(SCRIPT), "--dry-run", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
 
 
@@ -27,7 +26,7 @@ def test_dry_run_checks_the_preparation_and_prints_the_plan(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     text = res.stdout
     assert "plan (budget 300 s" in text and "nothing run (--dry-run)" in text
-    assert f"--target {ROOT / 'build' / 'gpu_check' / 'site'} {wheels / 'hydra_core-1.3.8-py3-none-any.whl'}" in text
+    assert f"--target {REPO / 'build' / 'gpu_check' / 'site'} {wheels / 'hydra_core-1.3.8-py3-none-any.whl'}" in text
     assert "_library.build(with_cuda=True" in text
     assert f"-m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors " \
            f"--junitxml={tmp_path / 'out' / 'pytest_gpu.xml'} tests" in text
@@ -49,9 +48,9 @@ def test_dry_run_fails_on_a_wheels_folder_without_wheels(tmp_path):
 
 
 def test_script_keys_reads_the_bench_arguments():
-    keys = gpu_check.script_keys(ROOT / "detector" / "bench" / "sparse.py")
+    keys = gpu_check.script_keys(REPO / "detector" / "bench" / "sparse.py")
     assert {"out", "md", "sparsity", "quick"} <= keys
-    assert {"out", "root", "masks"} <= gpu_check.script_keys(ROOT / "detector" / "bench" / "model.py")
+    assert {"out", "root", "masks"} <= gpu_check.script_keys(REPO / "detector" / "bench" / "model.py")
 
 
 def test_run_step_passes_fails_and_kills_a_timed_out_group(tmp_path):
@@ -95,6 +94,6 @@ def test_merge_benches_tags_rows_with_device_and_dtype(tmp_path):
 
 def test_make_target_uses_the_machines_python3():
     # --no-print-directory: under `make test` the parent make's MAKEFLAGS would add "Entering directory" lines
-    res = subprocess.run(["make", "--no-print-directory", "-n", "gpu-check", "ARGS=--dry-run"], cwd=ROOT,
+    res = subprocess.run(["make", "--no-print-directory", "-n", "gpu-check", "ARGS=--dry-run"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and res.stdout.strip() == "python3 scripts/gpu_check.py --dry-run"

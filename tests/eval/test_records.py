@@ -26,8 +26,7 @@ from detector.eval.kitti_metric import evaluate
 from detector.eval.overlap import Records
 from detector.eval.synthetic import synthetic_set
 from detector.module import FrameRecords, gather_records
-
-KITTI_REAL = Path(__file__).resolve().parents[2] / "shared" / "kitti_real"
+from tests.paths import KITTI_REAL
 
 
 def test_every_field_is_float64_from_file_to_metric():

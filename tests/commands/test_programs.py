@@ -17,8 +17,7 @@ from hydra.core.global_hydra import GlobalHydra
 
 from detector.commands import inspect_dataset, visualize
 from detector.resources import config_dir
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.paths import REPO
 
 
 def _script(name: str, *args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess:

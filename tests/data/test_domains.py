@@ -20,8 +20,8 @@ from detector.data.kitti_camera import boxes_to_labels
 from detector.data.kitti_labels import write_label
 from detector.geometry.boxes import Boxes3D
 from detector.resources import config_dir
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 REAL = REPO / ".." / "shared" / "kitti_real"
 GRID = instantiate(OmegaConf.load(config_dir() / "bev" / "small.yaml"))
 

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.paths import REPO
 
 
 @pytest.mark.slow  # over a minute on a 2-core CPU: make test-all (CI stays under 15 minutes)
 def test_profile_script_runs_on_the_cpu_and_writes_its_table(tmp_path):
     out = tmp_path / "profile.md"
-    res = subprocess.run([sys.executable, "scripts/profile_gpu.py", "device=cpu", "reps=1", f"out={out}"], cwd=ROOT,
+    res = subprocess.run([sys.executable, "scripts/profile_gpu.py", "device=cpu", "reps=1", f"out={out}"], cwd=REPO,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     text = out.read_text()

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.paths import REPO
+
 CUDA_HOME = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
-CUDA_PYTHON = ROOT / ".venv-cuda" / "bin" / "python"
+CUDA_PYTHON = REPO / ".venv-cuda" / "bin" / "python"
 
 
 @pytest.mark.slow
@@ -22,7 +23,7 @@ def test_cuda_sources_compile():
     arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0")
     env = dict(os.environ, CUDA_HOME=str(CUDA_HOME), TORCH_CUDA_ARCH_LIST=arch)
     code = "from detector.ops import _library; print(_library.build(with_cuda=True))"
-    res = subprocess.run([str(CUDA_PYTHON), "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+    res = subprocess.run([str(CUDA_PYTHON), "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=1800)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     library = Path(res.stdout.strip().splitlines()[-1])
