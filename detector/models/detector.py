@@ -9,6 +9,15 @@ dense (``mask=None``); where the mask comes from:
   :class:`~detector.models.mask_schedule.MaskSchedule` says step by step, and the mask network learns from the
   dilated ground-truth boxes;
 - neither: dense.
+
+Inference runs on one of two sparse paths (``inference_path``): the *exact* one sizes every op by the active
+blocks (read by the host per stage: on a GPU a sync per stage and new shapes per batch), the *capacity* one
+(:mod:`detector.nn.capacity`) on block lists of bounded sizes made on the device, with one host read of the
+plan's counts per batch and none inside the network, captured as a CUDA graph per (shape, plan, buckets) on a GPU.
+Both give the same values; ``auto`` takes the capacity path on a GPU (launch- and sync-bound there) and the exact
+one on the CPU (no syncs to save, and no padding rows to compute). Training always runs the exact path. Where the
+capacity path runs on a GPU, the dense network (no mask) is captured as a graph too: a sparse plan is priced, and
+measured, against the best dense.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from detector.data.structures import Batch, Detections
+from detector.errors import ConfigError
 from detector.geometry.box_masks import boxes_mask
 from detector.geometry.voxelize import BevGrid, voxelize
 from detector.models.head import DetectionHead
@@ -31,9 +41,13 @@ from detector.models.mask_net import MaskNet
 from detector.models.mask_quality import class_boxes
 from detector.models.mask_schedule import MaskSchedule
 from detector.models.targets import BoxCoder
+from detector.nn.capacity import StageCapacity, capacities, chain_list, forward_capacity, rerun_warning, run_chain
 from detector.nn.chain import SparseConvChain
-from detector.nn.plan import AUTO, DENSE, Plan, check_setting, measure
+from detector.nn.graphs import GraphCache
+from detector.nn.plan import AUTO, DENSE, Plan, StageInput, check_setting, measure, settle
 from detector.nn.resnet import SparseResNet, downsample_mask
+
+INFERENCE_PATHS = ("auto", "exact", "capacity")
 
 
 class TopDownNeck(nn.Module):
@@ -74,7 +88,7 @@ class TopDownNeck(nn.Module):
             if x is not None:
                 x = F.interpolate(x, size=lat.shape[-2:], mode="nearest")
                 lat = lat + x
-            x = self.smooth[j](lat, mask=None if masks is None else masks[j])
+            x = run_chain(self.smooth[j], lat, None if masks is None else masks[j])
         return x
 
 
@@ -124,6 +138,8 @@ class BevDetector(nn.Module):
         mask_schedule: how training uses ``mask_net``'s mask (required with ``mask_net``).
         mask_loss_kind: the mask network's loss (:func:`detector.models.losses.mask_loss`).
         mask_loss_weight: its weight in the total loss.
+        inference_path: the sparse path of inference (module docstring): ``auto`` (capacity on a GPU, exact on the
+            CPU), ``exact`` or ``capacity``.
     """
 
     def __init__(
@@ -142,6 +158,7 @@ class BevDetector(nn.Module):
         mask_schedule: MaskSchedule | None = None,
         mask_loss_kind: str = "focal",
         mask_loss_weight: float = 1.0,
+        inference_path: str = "auto",
     ):
         super().__init__()
         if mask_net is not None and mask_schedule is None:
@@ -166,12 +183,16 @@ class BevDetector(nn.Module):
         self.mask_loss_weight = mask_loss_weight
         self.use_data_mask = sparse  # an attribute: the benchmarks switch a sparse detector's masks off and on
         self.timing = False  # record per-stage wall times (synchronizes on CUDA)
+        if inference_path not in INFERENCE_PATHS:
+            raise ConfigError(f"model.inference_path must be one of {', '.join(INFERENCE_PATHS)}, got {inference_path!r}")
+        self.inference_path = inference_path
+        self.graphs = GraphCache()  # the capacity path's captured graphs (CUDA)
 
     def extra_repr(self) -> str:
         g = self.grid
         mask = ("mask_net" if self.mask_net is not None else "the batch's mask") if self.use_data_mask else "dense"
         text = (f"grid={g.H}x{g.W} cells of {g.resolution:g} m, {g.C} channels, classes={list(self.coder.classes)}, "
-                f"mask={mask}, head_block_size={self.head_block_size}")
+                f"mask={mask}, head_block_size={self.head_block_size}, inference_path={self.inference_path}")
         return text + (f",\nmask_schedule={self.mask_schedule}" if self.mask_schedule is not None else "")
 
     @property
@@ -215,16 +236,24 @@ class BevDetector(nn.Module):
             mask = batch.mask.to(bev)
         t = self._tick(times, "mask", t)
         plan = None
-        if mask is None:
+        if mask is None and self.uses_capacity_path(bev) and bev.is_cuda:  # dense, captured like the sparse path
+            run = self.graphs.get(("dense", tuple(bev.shape), bev.dtype, bev.device),
+                                  lambda b: self.head(self.neck(self.backbone(b))), bev)
+            heat, reg = (o.clone() for o in run(bev))
+            self._tick(times, "network", t)
+        elif mask is None:
             feats = self.backbone(bev, mask, times=times if self.timing else None)
             t = self._tick(times, "backbone", t)
             heat, reg = self.head(self.neck(feats))
             self._tick(times, "head", t)
         else:
             level_masks = masks_at_strides(mask, self.neck.strides)
-            modes, plan = self.execution_modes(tuple(bev.shape), mask, level_masks)
-            t = self._tick(times, "plan", t)
-            heat, reg = self.sparse_maps(bev, mask, level_masks, modes, times)
+            if self.uses_capacity_path(bev):
+                heat, reg, plan = self.capacity_forward(bev, mask, level_masks, times)
+            else:
+                modes, plan = self.execution_modes(tuple(bev.shape), mask, level_masks)
+                t = self._tick(times, "plan", t)
+                heat, reg = self.sparse_maps(bev, mask, level_masks, modes, times)
         sparsity = 0.0 if mask is None else float(1.0 - mask.mean())
         return DetectorOutput(heat, reg, mask, mask_logits, sparsity, times, plan)
 
@@ -249,25 +278,106 @@ class BevDetector(nn.Module):
         self._tick(times, "head", t)
         return heat, reg
 
-    def execution_modes(self, x_shape: tuple[int, ...], mask: torch.Tensor, level_masks: Sequence[torch.Tensor]
-                        ) -> tuple[list[int | str], Plan | None]:
-        """Tile or dense for every sparse stage: the backbone's stages, the neck's levels, the head's tower
-        (in that order). With an ``auto`` setting, one plan for all of them (:mod:`detector.nn.plan`)."""
-        bb, hbs = self.backbone, self.head_block_size
-        fixed = list(bb.block_sizes) + [hbs] * (len(self.neck.smooth) + 1)
-        if AUTO not in fixed:
-            return fixed, None
-        inputs = bb.plan_inputs(x_shape, mask)
+    def settings(self) -> list[int | str]:
+        """The configured setting of every sparse stage: the backbone's stages, the neck's levels, the head's
+        tower (in that order)."""
+        return list(self.backbone.block_sizes) + [self.head_block_size] * (len(self.neck.smooth) + 1)
+
+    def plan_inputs(self, x_shape: tuple[int, ...], mask: torch.Tensor, level_masks: Sequence[torch.Tensor],
+                    settings: Sequence[int | str] | None = None, path: str = "exact") -> list[StageInput]:
+        """The plan inputs of every sparse stage (:meth:`settings`' order; counts on the device, unread) under
+        ``settings`` (default: the configured ones)."""
+        bb = self.backbone
+        settings = self.settings() if settings is None else list(settings)
+        nb = len(bb.stages)
+        inputs = bb.plan_inputs(x_shape, mask, settings[:nb], path)
         N, cands = x_shape[0], bb.planner.candidates
-        prune = bb.planner.prune(mask.device, mask.dtype, self.training)
+        prune = bb.planner.prune(mask.device, mask.dtype, self.training, path) if AUTO in settings[nb:] else None
         for j, chain in enumerate(self.neck.smooth):
             hw = inputs[self.neck.use[j] + 1].rest_hw
-            inputs.append(measure(f"neck_s{self.neck.strides[j]}", hbs, [chain], (N, *hw), level_masks[j], None, cands,
-                                  prune))
-        hw = inputs[len(bb.stages)].shape[1:]
-        inputs.append(measure("head", hbs, [self.head.tower], (N, *hw), level_masks[0], None, cands, prune))
-        plan = bb.planner.decide(inputs, mask.device, mask.dtype, self.training)
+            inputs.append(measure(f"neck_s{self.neck.strides[j]}", settings[nb + j], [chain], (N, *hw), level_masks[j],
+                                  None, cands, prune))
+        hw = inputs[nb].shape[1:]
+        inputs.append(measure("head", settings[-1], [self.head.tower], (N, *hw), level_masks[0], None, cands, prune))
+        return inputs
+
+    def execution_modes(self, x_shape: tuple[int, ...], mask: torch.Tensor, level_masks: Sequence[torch.Tensor]
+                        ) -> tuple[list[int | str], Plan | None]:
+        """Tile or dense for every sparse stage (:meth:`settings`' order) on the exact path. With an ``auto``
+        setting, one plan for all of them (:mod:`detector.nn.plan`)."""
+        fixed = self.settings()
+        if AUTO not in fixed:
+            return fixed, None
+        inputs = self.plan_inputs(x_shape, mask, level_masks)
+        plan = self.backbone.planner.decide(inputs, mask.device, mask.dtype, self.training)
         return list(plan.choices), plan
+
+    # --- inference on the capacity path -------------------------------------------------------------------
+    def uses_capacity_path(self, bev: torch.Tensor) -> bool:
+        """Whether this forward runs the capacity path (inference: eval mode, no autograd)."""
+        if self.training or torch.is_grad_enabled() or self.inference_path == "exact":
+            return False
+        return self.inference_path == "capacity" or bev.is_cuda
+
+    def capacity_plan(self, x_shape: tuple[int, ...], mask: torch.Tensor, level_masks: Sequence[torch.Tensor],
+                      modes: Sequence[int | str] | None = None
+                      ) -> tuple[list[int | str], list[StageCapacity | None], Plan | None]:
+        """The modes (the plan's, priced for the capacity path, where a setting is ``auto``; ``modes`` given:
+        those) and the list capacities of every sparse stage, from ONE host read of all the counts."""
+        settings = self.settings() if modes is None else list(modes)
+        inputs = settle(self.plan_inputs(x_shape, mask, level_masks, settings, path="capacity"))  # the one read
+        plan = None
+        if AUTO in settings:
+            plan = self.backbone.planner.decide(inputs, mask.device, mask.dtype, False, "capacity")
+            settings = list(plan.choices)
+        return settings, capacities(inputs, settings), plan
+
+    def capacity_maps(self, bev: torch.Tensor, mask: torch.Tensor, level_masks: Sequence[torch.Tensor],
+                      modes: Sequence[int | str], caps: Sequence[StageCapacity | None]
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
+        """Backbone, neck and head on block lists of capacities ``caps`` with ``modes`` (:meth:`capacity_plan`):
+        (heatmap logits, regression, the device-side overflow flag, every list's true count). No host read."""
+        nb = len(self.backbone.stages)
+        feats, overflow, counts = forward_capacity(self.backbone, bev, mask, modes[:nb], caps[:nb])
+        lists = []
+        chains = [*self.neck.smooth, self.head.tower]
+        for chain, m, cap, lm in zip(chains, modes[nb:], caps[nb:], [*level_masks, level_masks[0]], strict=True):
+            if m == DENSE:
+                lists.append(None)
+                counts.append([])
+                continue
+            bl = chain_list(chain, lm.to(bev.dtype), int(m), cap[0])
+            overflow = overflow | bl.overflow
+            counts.append([bl.count])
+            lists.append(bl)
+        heat, reg = self.head(self.neck(feats, lists[:-1]), lists[-1])
+        return heat, reg, overflow, counts
+
+    def capacity_forward(self, bev: torch.Tensor, mask: torch.Tensor, level_masks: Sequence[torch.Tensor],
+                         times: dict[str, float] | None = None) -> tuple[torch.Tensor, torch.Tensor, Plan | None]:
+        """The capacity path of one batch: the plan's one read, the network (a captured graph per shape, plan
+        and buckets on CUDA), then one read of the overflow flag - set only if the lists were too short, which
+        the counts of this very batch rule out; checked all the same, and rerun at the true counts if so."""
+        times = {} if times is None else times
+        t = time.perf_counter() if self.timing else 0.0
+        modes, caps, plan = self.capacity_plan(tuple(bev.shape), mask, level_masks)
+        t = self._tick(times, "plan", t)
+        key = (tuple(bev.shape), bev.dtype, bev.device, tuple(modes), tuple(caps))
+        run = self.graphs.get(key, lambda b, m, *lm: self.capacity_maps(b, m, lm, modes, caps), bev, mask,
+                              *level_masks)
+        heat, reg, overflow, counts = run(bev, mask, *level_masks)
+        if bool(overflow):
+            modes, new_caps, _ = self.capacity_plan(tuple(bev.shape), mask, level_masks, modes)
+            rerun_warning(counts, caps, new_caps)
+            heat, reg, _, _ = self.capacity_maps(bev, mask, level_masks, modes, new_caps)
+        self._tick(times, "network", t)
+        if bev.is_cuda:  # a replay's outputs are the graph's own: the next replay overwrites them
+            heat, reg = heat.clone(), reg.clone()
+        return heat, reg, plan
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202
+        self.graphs.clear()  # .to() / .half() move the tensors a captured graph reads
+        return super()._apply(fn, recurse)
 
     # --- training -----------------------------------------------------------------------------------
     def object_mask(self, batch: Batch, downsample: int, dilation_m: float | None = None) -> torch.Tensor:

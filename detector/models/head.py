@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from detector.models.targets import REG_CHANNELS
+from detector.nn.capacity import run_chain
 from detector.nn.chain import SparseConvChain
 
 
@@ -44,6 +45,7 @@ class DetectionHead(nn.Module):
         nn.init.zeros_(self.regression.bias)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, C, h, w] (+ mask [B, 1, h, w]) -> (heatmap logits [B, K, h, w], regression [B, 8, h, w])."""
-        x = self.tower(x, mask=mask)
+        """[B, C, h, w] (+ mask [B, 1, h, w], or a block list: the capacity path) -> (heatmap logits [B, K, h, w],
+        regression [B, 8, h, w])."""
+        x = run_chain(self.tower, x, mask)
         return self.heatmap(x), self.regression(x)

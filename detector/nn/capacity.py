@@ -36,10 +36,10 @@ from detector.ops.fused import conv_blocks, conv_scatter
 
 from .chain import SparseConvChain, zeros_in_layout
 from .norm import running_scale_shift, uses_batch_stats
-from .plan import DENSE
+from .plan import AUTO, DENSE, StageInput, list_rows, settle
 
 __all__ = ["chain_capacity", "stage_capacity", "plan_capacities", "forward_capacity", "run_checked",
-           "StageCapacity"]
+           "StageCapacity", "capacities", "chain_list", "run_chain", "rerun_warning"]
 
 log = logging.getLogger(__name__)
 
@@ -163,81 +163,68 @@ def forward_capacity(net: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor, 
     return feats, overflow, counts
 
 
-def _grid_blocks(unit: SparseConvChain, N: int, H: int, W: int, tile: int) -> int:
-    return N * unit.geometry(H, W, tile).block.num_blocks
-
-
 def _settings(net: torch.nn.Module, modes: Sequence[int | str] | None) -> list[int | str]:
     return list(net.block_sizes if modes is None else modes)
+
+
+def capacities(inputs: Sequence[StageInput], modes: Sequence[int | str], smallest: int = 8
+               ) -> list[StageCapacity | None]:
+    """Per stage the list capacities of ``modes`` (None where dense): the smallest buckets that hold the counts
+    of the settled plan ``inputs`` at the chosen tile (:func:`~detector.nn.plan.list_rows`)."""
+    out: list[StageCapacity | None] = []
+    for inp, mode in zip(inputs, modes, strict=True):
+        if mode == DENSE:
+            out.append(None)
+            continue
+        _, k1, kr = next(c for c in inp.counts if c[0] == mode)
+        out.append(list_rows(inp, int(mode), k1, kr, smallest))
+    return out
 
 
 def plan_capacities(net: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor,
                     modes: Sequence[int | str] | None = None, smallest: int = 8
                     ) -> tuple[list[int | str], list[StageCapacity | None]]:
-    """Each stage's mode (the plan's choice for 'auto' settings) and the smallest buckets that hold its active
-    blocks, from ONE host read of all the counts (the plan's: :meth:`SparseResNet.plan_inputs`, settled)."""
-    from .plan import measure, settle
-
+    """Each stage's mode (the plan's choice for 'auto' settings, priced for this path) and the smallest buckets
+    that hold its active blocks, from ONE host read of all the counts (:meth:`SparseResNet.plan_inputs`,
+    settled)."""
     settings = _settings(net, modes)
-    mask = mask.to(x.dtype)
-    if "auto" in settings:
-        inputs = net.plan_inputs(tuple(x.shape), mask, settings)
-    else:  # fixed tiles: their counts only (no cost model needed)
-        inputs, (H, W), m = [], x.shape[-2:], mask
-        for name, stage, setting in zip(net.stage_names, net.stages, settings, strict=True):
-            units = list(stage.units)
-            rest = _downsample(m) if units[0].stride == 2 else m
-            inputs.append(measure(name, setting, units, (x.shape[0], H, W), m, rest, net.planner.candidates))
-            (H, W), m = inputs[-1].rest_hw, rest
-    inputs = settle(inputs)  # the one transfer
-    if "auto" in settings:
-        chosen = list(net.planner.decide(inputs, x.device, x.dtype, False).choices)
-    else:
-        chosen = settings
-    caps: list[StageCapacity | None] = []
-    N = int(x.shape[0])
-    for inp, mode in zip(inputs, chosen, strict=True):
-        if mode == DENSE:
-            caps.append(None)
-            continue
-        _, k1, kr = next(c for c in inp.counts if c[0] == mode)
-        (_, H, W), (Hr, Wr) = inp.shape, inp.rest_hw
-        units = inp.units
-        t1 = _grid_blocks(units[0], N, H, W, int(mode))
-        tr = _grid_blocks(units[1], N, Hr, Wr, int(mode)) if len(units) > 1 else 1
-        caps.append((bucket_for(int(k1), t1, smallest), bucket_for(int(kr), tr, smallest) if len(units) > 1 else 0))
-    return list(chosen), caps
+    inputs = settle(net.plan_inputs(tuple(x.shape), mask.to(x.dtype), settings, path="capacity"))  # the one read
+    chosen = settings
+    if AUTO in settings:
+        chosen = list(net.planner.decide(inputs, x.device, x.dtype, False, "capacity").choices)
+    return list(chosen), capacities(inputs, chosen, smallest)
+
+
+def rerun_warning(counts: list, caps: Sequence, new_caps: Sequence) -> None:
+    log.warning("capacity overflow: more active blocks than the list's capacity (counts %s, capacities %s); "
+                "rerun at capacities %s", [[int(c) for c in cs] for cs in counts], list(caps), list(new_caps))
 
 
 def run_checked(net: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor, modes: Sequence[int | str],
                 caps: Sequence[StageCapacity | None], forward=None, smallest: int = 8) -> list[torch.Tensor]:  # noqa: ANN001
     """:func:`forward_capacity` (or ``forward``, e.g. a captured graph's replay, with the same signature), then
-    ONE host read of its overflow flag; if set, the batch reruns at the buckets of its true counts - the
-    first unit's and the others' list of every stage - and a stage whose count fills its grid runs dense.
-    Logged as a warning; never a dropped block."""
+    ONE host read of its overflow flag; if set, the batch reruns at the buckets of its true counts (those of
+    ``modes``; a count that fills its grid gets the whole grid). Logged as a warning; never a dropped block."""
     run = forward or (lambda *a: forward_capacity(net, *a))
     feats, overflow, counts = run(x, mask, modes, caps)
     if not bool(overflow):
         return feats
-    got = [[int(c) for c in cs] for cs in counts]
-    new_modes, new_caps = list(modes), list(caps)
-    N, (H, W) = int(x.shape[0]), x.shape[-2:]
-    H, W = int(H), int(W)
-    for i, stage in enumerate(net.stages):
-        units = list(stage.units)
-        out_hw = units[0].geometry(H, W, 16).levels[-1].map_size
-        if new_modes[i] != DENSE:
-            tile = int(new_modes[i])
-            t1 = _grid_blocks(units[0], N, H, W, tile)
-            tr = _grid_blocks(units[1], N, *out_hw, tile) if len(units) > 1 else 1
-            k1, kr = got[i][0], (got[i][1] if len(got[i]) > 1 else 0)
-            if k1 > caps[i][0] or (len(units) > 1 and kr > caps[i][1]):
-                if k1 >= t1 and (len(units) == 1 or kr >= tr):
-                    new_modes[i], new_caps[i] = DENSE, None
-                else:
-                    new_caps[i] = (bucket_for(k1, t1, smallest), bucket_for(kr, tr, smallest) if len(units) > 1 else 0)
-        H, W = out_hw
-    log.warning("capacity overflow: more active blocks than the list's capacity (counts %s, capacities %s); "
-                "rerun at modes %s, capacities %s", got, list(caps), new_modes, new_caps)
-    feats, overflow, _ = forward_capacity(net, x, mask, new_modes, new_caps)
+    modes, new_caps = plan_capacities(net, x, mask, modes, smallest)
+    rerun_warning(counts, caps, new_caps)
+    feats, _, _ = forward_capacity(net, x, mask, modes, new_caps)
     return feats
+
+
+def chain_list(chain: SparseConvChain, mask: torch.Tensor, tile: int, capacity: int) -> BlockList:
+    """The block list of a one-chain stage (the neck's and head's) at ``tile`` on ``mask`` (its input
+    resolution), of ``capacity`` rows; no host read."""
+    geo = chain.geometry(int(mask.shape[2]), int(mask.shape[3]), int(tile))
+    return reduce_mask_capacity(mask, geo.block, int(capacity), chain.tol, chain.avgpool)
+
+
+def run_chain(chain: SparseConvChain, x: torch.Tensor, mask: torch.Tensor | BlockList | None) -> torch.Tensor:
+    """``chain`` dense (no mask), on the exact path (a mask) or on the capacity path (a :class:`BlockList`, at
+    the tile it was made for): the one call the neck and the head make for either path."""
+    if isinstance(mask, BlockList):
+        return chain_capacity(chain, x, mask, tile=mask.block.obsize)
+    return chain(x, mask=mask)

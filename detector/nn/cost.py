@@ -16,6 +16,13 @@ Estimates are sums of a few terms whose constants are properties of the machine,
 In training every per-element term is tripled (the backward convolves and moves twice as much); the
 fixed per-unit costs are measured forward + backward.
 
+The *capacity* path (inference on bounded block lists, :mod:`detector.nn.capacity`; captured as a CUDA graph on a
+GPU) has its own constants: per active block ``macs * fused_mac(T)`` (the fused gather + convolution + epilogue,
+measured as one) plus the scatter of its output tile ``* move``, and the fixed costs of a unit measured the way
+that path runs them - captured in a CUDA graph on a GPU, where a graph replay removes most of a layer call's
+launch and host cost - for a sparse unit (``capacity_unit``) and a dense one (``dense_unit_graph``). Its
+blocks are the list's capacity (its bucket), not the count: padding rows are launched too.
+
 The constants come from :func:`calibrate` - a short measurement (about a second) on this machine, device
 and dtype - cached in a JSON file keyed by machine, torch, threads, device, dtype and the calibration's
 shape set (:func:`load_or_calibrate`). A file written elsewhere (another machine, torch, shape set) or
@@ -41,10 +48,11 @@ import torch.nn.functional as F
 from detector.machine import cpu_model
 from detector.resources import cache_dir
 
-__all__ = ["CostModel", "dense_macs", "sparse_macs", "calibrate", "load_or_calibrate", "cost_key", "default_cost_file",
+__all__ = ["CostModel", "PATHS", "dense_macs", "sparse_macs", "calibrate", "load_or_calibrate", "cost_key", "default_cost_file",
            "machine_busy", "CALIBRATION_SHAPES"]
 
-CALIBRATION_SHAPES = "v1: conv3x3 32->32 on 1x128x128 and on (128/T)^2 blocks of T+2 for T in 8,16,32; chain 8ch 16x16"
+CALIBRATION_SHAPES = ("v2: conv3x3 32->32 on 1x128x128 and on (128/T)^2 blocks of T+2 for T in 8,16,32 (plain and "
+                      "fused on a block list); chain 8ch 16x16 (exact, capacity path captured)")
 TILES = (8, 16, 32)
 
 
@@ -60,21 +68,30 @@ class CostModel:
     sparse_unit: float
     dense_unit_train: float
     sparse_unit_train: float
+    # the capacity path (module docstring); a model without them (a config's hand-written cost) prices that path
+    # with the exact path's constants
+    fused_mac: tuple[tuple[int, float], ...] = ()
+    capacity_unit: float | None = None
+    dense_unit_graph: float | None = None
 
     def __post_init__(self) -> None:
         vals = [self.dense_mac, self.move, self.pass_, self.dense_unit, self.sparse_unit, self.dense_unit_train,
-                self.sparse_unit_train, *(v for _, v in self.block_mac)]
+                self.sparse_unit_train, *(v for _, v in self.block_mac), *(v for _, v in self.fused_mac),
+                *(v for v in (self.capacity_unit, self.dense_unit_graph) if v is not None)]
         if not self.block_mac or not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in vals):
             raise ValueError(f"CostModel: every constant must be a finite number >= 0, got {self}")
 
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
         d = dict(d)
-        d["block_mac"] = tuple((int(t), float(v)) for t, v in d["block_mac"])
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+        for k in ("block_mac", "fused_mac"):
+            if k in d:
+                d[k] = tuple((int(t), float(v)) for t, v in d[k])
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "block_mac": [list(p) for p in self.block_mac]}
+        return {**asdict(self), "block_mac": [list(p) for p in self.block_mac],
+                "fused_mac": [list(p) for p in self.fused_mac]}
 
     def distortion(self) -> str | None:
         """Why these constants cannot be a quiet machine's, or None: a unit's fixed cost in inference (forward
@@ -88,24 +105,46 @@ class CostModel:
                         f"backward ({1e3 * train:.3g} ms)")
         return None
 
-    def mac_per_tile(self, tile: int) -> float:
-        """``block_mac`` of the calibrated tile nearest to ``tile`` (ties: the smaller tile)."""
-        return min(self.block_mac, key=lambda p: (abs(p[0] - tile), p[0]))[1]
+    def mac_per_tile(self, tile: int, fused: bool = False) -> float:
+        """``block_mac`` (``fused``: ``fused_mac``) of the calibrated tile nearest to ``tile`` (ties: the
+        smaller tile)."""
+        table = self.fused_mac if fused and self.fused_mac else self.block_mac
+        return min(table, key=lambda p: (abs(p[0] - tile), p[0]))[1]
 
     # ------------------------------------------------------------------------------------ estimates
-    def dense(self, chain, N: int, H: int, W: int, training: bool) -> float:
-        """Estimated seconds of ``chain`` (a SparseConvChain) run dense on an ``N x H x W`` map."""
-        return (3 if training else 1) * _dense_work(self, chain, N, H, W) + (
-            self.dense_unit_train if training else self.dense_unit)
+    def dense(self, chain, N: int, H: int, W: int, training: bool, path: str = "exact") -> float:
+        """Estimated seconds of ``chain`` (a SparseConvChain) run dense on an ``N x H x W`` map (``path``
+        'capacity': inside the capacity path's captured graph)."""
+        fixed = self.dense_unit_train if training else self.dense_unit
+        if _capacity(path, training) and self.dense_unit_graph is not None:
+            fixed = self.dense_unit_graph
+        return (3 if training else 1) * _dense_work(self, chain, N, H, W) + fixed
 
-    def sparse(self, chain, N: int, H: int, W: int, tile: int, blocks: int, base: str, training: bool) -> float:
-        """Estimated seconds of ``chain`` run sparse on ``blocks`` active blocks of output ``tile``.
+    def sparse(self, chain, N: int, H: int, W: int, tile: int, blocks: int, base: str, training: bool,
+               path: str = "exact") -> float:
+        """Estimated seconds of ``chain`` run sparse on ``blocks`` active blocks of output ``tile`` (``path``
+        'capacity': ``blocks`` rows of a block list, module docstring).
 
         ``base``: the map the tiles are written into - "zeros" (a fresh zero map), "copy" (a copy of the
         input map: a stage's first identity unit) or "inplace" (the stage's own intermediate)."""
+        if _capacity(path, training):
+            per_block, map_work = _capacity_work(self, chain, N, H, W, tile, base)
+            fixed = self.capacity_unit if self.capacity_unit is not None else self.sparse_unit
+            return blocks * per_block + map_work + fixed
         per_block, map_work = _sparse_work(self, chain, N, H, W, tile, base)
         work = blocks * per_block + map_work
         return (3 if training else 1) * work + (self.sparse_unit_train if training else self.sparse_unit)
+
+
+PATHS = ("exact", "capacity")
+
+
+def _capacity(path: str, training: bool) -> bool:
+    if path not in PATHS:
+        raise ValueError(f"CostModel: path must be one of {PATHS}, got {path!r}")
+    if path == "capacity" and training:
+        raise ValueError("CostModel: the capacity path is for inference only")
+    return path == "capacity"
 
 
 # The plan prices every stage's options on every batch; what does not depend on the active blocks is computed once
@@ -160,6 +199,14 @@ def _sparse_work(cost: CostModel, chain, N: int, H: int, W: int, tile: int, base
     if base != "inplace":
         raise ValueError(f"CostModel.sparse: base must be zeros, copy or inplace, got {base!r}")
     return per_block, 0.0
+
+
+@_memoized
+def _capacity_work(cost: CostModel, chain, N: int, H: int, W: int, tile: int, base: str) -> tuple[float, float]:
+    """(work per list row, work of the map the tiles are written into) on the capacity path."""
+    per_block = _sparse_macs_per_block(chain, H, W, tile) * cost.mac_per_tile(tile, fused=True)
+    per_block += tile * tile * chain.out_channels * cost.move
+    return per_block, _sparse_work(cost, chain, N, H, W, tile, base)[1]
 
 
 # ------------------------------------------------------------------------------------------ MAC counts
@@ -225,7 +272,10 @@ def _fastest(runs: dict[str, object], rounds: int = 25) -> dict[str, float]:
 def calibrate(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> CostModel:
     """Measure the constants on this machine (the fastest of 25 interleaved runs each, a few seconds on a CPU)."""
     from detector.ops import reduce_mask, sparse_gather, sparse_scatter
+    from detector.ops.capacity import reduce_mask_capacity
+    from detector.ops.fused import conv_blocks, conv_scatter
 
+    from .capture import capture
     from .chain import SparseConvChain  # the real unit, for the fixed per-unit costs
 
     dev = torch.device(device)
@@ -256,12 +306,43 @@ def calibrate(device: str | torch.device = "cpu", dtype: torch.dtype = torch.flo
         small.train()
         small(xs.clone().requires_grad_(True), mask=mask).sum().backward()
 
+    # the capacity path: a 3x3 convolution on a full list of each tile's blocks read from the map (gather, bias
+    # and ReLU fused), and the fixed cost of a two-convolution unit on a one-block list (list, convolution,
+    # convolution + scatter) captured as that path runs it; the dense unit captured likewise
+    lists = {t: reduce_mask_capacity(torch.ones(1, 1, S, S, device=dev), unit.geometry(S, S, t).block, (S // t) ** 2)
+             for t in TILES}
+    bias = rand(C)
+    one = rand(1, 8, 16, 16)
+    w8, b8, w8b = rand(8, 8, 3, 3), rand(8), rand(8, 8, 1, 1)
+    small_geo = small.geometry(16, 16)
+
+    def capacity_unit(a, m):
+        bl = reduce_mask_capacity(m, small_geo.block, 1)
+        lv = small_geo.levels
+        y = conv_blocks(a, bl, w8, b8, origin=(lv[0].region, lv[0].offset), extent=lv[0].extent, relu=True,
+                        zero=(lv[1].region, lv[1].offset, lv[1].map_size))
+        return conv_scatter(y, bl, w8b, b8, torch.zeros_like(a), tile=(16, 16), relu=True, inplace=True)
+
+    def dense_unit(a):
+        return small(a)
+
+    small.eval()
+    with torch.no_grad():
+        cap_graph = capture(capacity_unit, one, ones)
+        dense_graph = capture(dense_unit, one)
+
     runs = {"dense": lambda: F.conv2d(x, w, padding=1), "relu": lambda: torch.relu(big),
             "move": lambda: (sparse_gather(x, idx, geo.block), sparse_scatter(tiles, idx, x, geo.block, add=False)),
             "dense_unit": lambda: infer(None), "sparse_unit": lambda: infer(ones),
             "dense_unit_train": lambda: train(None), "sparse_unit_train": lambda: train(ones)}
     for t, b in blocks.items():
         runs[f"block{t}"] = lambda b=b: F.conv2d(b, w)
+    for t, bl in lists.items():
+        lv = unit.geometry(S, S, t).levels
+        runs[f"fused{t}"] = lambda bl=bl, lv=lv: conv_blocks(x, bl, w, bias, origin=(lv[0].region, lv[0].offset),
+                                                            extent=lv[0].extent, relu=True)
+    runs["capacity_unit"] = lambda: cap_graph(one, ones)
+    runs["dense_unit_graph"] = lambda: dense_graph(one)
     with torch.no_grad():
         ms = _fastest({k: v for k, v in runs.items() if "train" not in k})
     with torch.enable_grad():  # the caller may be planning under no_grad (inference)
@@ -272,7 +353,15 @@ def calibrate(device: str | torch.device = "cpu", dtype: torch.dtype = torch.flo
         block_mac=tuple((t, ms[f"block{t}"] / ((S // t) ** 2 * t * t * C * C * 9)) for t in TILES),
         move=ms["move"] / moved, pass_=ms["relu"] / big.numel(), dense_unit=ms["dense_unit"],
         sparse_unit=ms["sparse_unit"], dense_unit_train=ms["dense_unit_train"],
-        sparse_unit_train=ms["sparse_unit_train"])
+        sparse_unit_train=ms["sparse_unit_train"],
+        fused_mac=tuple((t, ms[f"fused{t}"] / (lists[t].capacity * _conv_out(unit, S, t) * C * C * 9)) for t in TILES),
+        capacity_unit=ms["capacity_unit"], dense_unit_graph=ms["dense_unit_graph"])
+
+
+def _conv_out(unit, S: int, tile: int) -> int:
+    """Output pixels of a block of ``unit``'s first convolution at ``tile`` (its level-1 extent)."""
+    e = unit.geometry(S, S, tile).levels[1].extent
+    return e[0] * e[1]
 
 
 # ------------------------------------------------------------------------------------------------ cache

@@ -26,38 +26,44 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .capacity import StageCapacity, forward_capacity, plan_capacities, run_checked
+from .capture import capture
 
-__all__ = ["CapturedBackbone", "DenseRunner", "capture"]
-
-
-class _Graph:
-    """One captured call: static inputs, the graph, static outputs."""
-
-    def __init__(self, fn: Callable, inputs: Sequence[torch.Tensor], warmup: int = 2) -> None:
-        self.inputs = [t.clone() for t in inputs]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up off the capture (allocator, lazy inits, triton compiles)
-            for _ in range(warmup):
-                fn(*self.inputs)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.outputs = fn(*self.inputs)
-
-    def __call__(self, *inputs: torch.Tensor):  # noqa: ANN204
-        for s, t in zip(self.inputs, inputs, strict=True):
-            s.copy_(t)
-        self.graph.replay()
-        return self.outputs
+__all__ = ["CapturedBackbone", "DenseRunner", "GraphCache", "capture"]
 
 
-def capture(fn: Callable, *inputs: torch.Tensor, warmup: int = 2) -> Callable:
-    """``fn(*inputs)`` captured as a CUDA graph (replayed by calling the result with new inputs of the same
-    shapes); on a CPU tensor, ``fn`` itself."""
-    if not inputs[0].is_cuda:
-        return fn
-    return _Graph(fn, inputs, warmup)
+class GraphCache:
+    """Captured calls by key, the most recent ``max_graphs`` kept (the oldest dropped). Copies of a module that
+    holds one (``deepcopy``, pickling) start empty: a graph belongs to the tensors it was captured on."""
+
+    def __init__(self, max_graphs: int = 16) -> None:
+        self.max_graphs = max_graphs
+        self.graphs: OrderedDict[tuple, Callable] = OrderedDict()
+
+    def get(self, key: tuple, fn: Callable, *inputs: torch.Tensor) -> Callable:
+        """The graph of ``key``: ``fn`` captured on ``inputs`` at first use (:func:`capture`; on the CPU ``fn``)."""
+        g = self.graphs.get(key)
+        if g is None:
+            g = self.graphs[key] = capture(fn, *inputs)
+            while len(self.graphs) > self.max_graphs:
+                self.graphs.popitem(last=False)
+        else:
+            self.graphs.move_to_end(key)
+        return g
+
+    def clear(self) -> None:
+        self.graphs.clear()
+
+    def __len__(self) -> int:
+        return len(self.graphs)
+
+    def __deepcopy__(self, memo: dict) -> GraphCache:
+        return GraphCache(self.max_graphs)
+
+    def __getstate__(self) -> dict:
+        return {"max_graphs": self.max_graphs}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["max_graphs"])
 
 
 class CapturedBackbone:
@@ -65,22 +71,15 @@ class CapturedBackbone:
     (shape, dtype, modes, buckets) (module docstring)."""
 
     def __init__(self, net: torch.nn.Module, max_graphs: int = 16, smallest: int = 8) -> None:
-        self.net, self.max_graphs, self.smallest = net, max_graphs, smallest
-        self.graphs: OrderedDict[tuple, Callable] = OrderedDict()
+        self.net, self.smallest = net, smallest
+        self.graphs = GraphCache(max_graphs)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, modes: Sequence[int | str],
                 caps: Sequence[StageCapacity | None]):  # noqa: ANN201
         """:func:`~detector.nn.capacity.forward_capacity` through the graph of this key (captured on first use)."""
-        key = (tuple(x.shape), x.dtype, tuple(modes), tuple(caps))
-        g = self.graphs.get(key)
-        if g is None:
-            net, m, c = self.net, list(modes), list(caps)
-            g = capture(lambda a, b: forward_capacity(net, a, b, m, c), x, mask.to(x.dtype))
-            self.graphs[key] = g
-            while len(self.graphs) > self.max_graphs:
-                self.graphs.popitem(last=False)
-        else:
-            self.graphs.move_to_end(key)
+        key = (tuple(x.shape), x.dtype, x.device, tuple(modes), tuple(caps))
+        net, m, c = self.net, list(modes), list(caps)
+        g = self.graphs.get(key, lambda a, b: forward_capacity(net, a, b, m, c), x, mask.to(x.dtype))
         return g(x, mask.to(x.dtype))
 
     @torch.no_grad()
@@ -101,7 +100,7 @@ class DenseRunner:
         if mode not in ("eager", "graph", "compile"):
             raise ValueError(f"DenseRunner: mode must be 'eager', 'graph' or 'compile', got {mode!r}")
         self.net, self.mode = net, mode
-        self.graphs: dict[tuple, Callable] = {}
+        self.graphs = GraphCache()
         self._compiled = None
 
     def _dense(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -115,7 +114,4 @@ class DenseRunner:
             if self._compiled is None:
                 self._compiled = torch.compile(self._dense, mode="reduce-overhead")
             return self._compiled(x)
-        key = (tuple(x.shape), x.dtype)
-        if key not in self.graphs:
-            self.graphs[key] = capture(self._dense, x)
-        return self.graphs[key](x)
+        return self.graphs.get((tuple(x.shape), x.dtype, x.device), self._dense, x)(x)

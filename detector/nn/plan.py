@@ -29,11 +29,12 @@ import torch.distributed as dist
 
 from detector.errors import ConfigError
 from detector.ops import block_activity
+from detector.ops.capacity import bucket_for
 
 from .cost import CostModel, dense_macs, load_or_calibrate, sparse_macs
 
 __all__ = ["DENSE", "AUTO", "CANDIDATES", "StageInput", "Plan", "Planner", "measure", "settle", "choose",
-           "stage_macs", "check_setting"]
+           "stage_macs", "stage_cost", "list_rows", "check_setting"]
 
 DENSE = "dense"
 AUTO = "auto"
@@ -110,13 +111,13 @@ class Plan:
 
 
 def measure(name: str, setting: int | str, units: Sequence, x_shape: Sequence[int], mask_first: torch.Tensor | None,
-            mask_rest: torch.Tensor | None, candidates: Sequence[int], prune: tuple[CostModel, bool] | None = None
+            mask_rest: torch.Tensor | None, candidates: Sequence[int], prune: tuple[CostModel, bool, str] | None = None
             ) -> StageInput:
     """The plan input of one stage: active blocks per candidate tile (only the set tile for an int
     setting; none for dense) on the stage's masks. ``units[0]`` sees ``mask_first`` at its input
     resolution, ``units[1:]`` ``mask_rest`` at the first unit's output resolution.
 
-    ``prune`` (cost model, training): an ``auto`` stage where no candidate could beat dense even with no active
+    ``prune`` (cost model, training, path): an ``auto`` stage where no candidate could beat dense even with no active
     block at all - a sparse stage's estimate only grows with its blocks - is not measured (no candidate, so
     :func:`choose` takes dense, as it would have on any counts): each count costs a ``block_activity`` launch
     and a sum. Not under DDP, where every rank must measure the same stages (:meth:`Planner.prune`).
@@ -155,16 +156,32 @@ def settle(inputs: Sequence[StageInput]) -> list[StageInput]:
                                                 for k in c[1:])) for c in i.counts]) for i in inputs]
 
 
-def stage_cost(inp: StageInput, option: int | str, cost: CostModel, training: bool) -> float:
-    """Estimated seconds of the stage run dense (``option == 'dense'``) or sparse with that tile."""
+def stage_cost(inp: StageInput, option: int | str, cost: CostModel, training: bool, path: str = "exact") -> float:
+    """Estimated seconds of the stage run dense (``option == 'dense'``) or sparse with that tile, on the exact
+    path or the capacity path (whose lists hold the bucket of the count: :func:`list_rows`)."""
     (N, H, W), (Hr, Wr) = inp.shape, inp.rest_hw
     first, rest = inp.units[0], inp.units[1:]
     if option == DENSE:
-        return cost.dense(first, N, H, W, training) + sum(cost.dense(u, N, Hr, Wr, training) for u in rest)
+        return cost.dense(first, N, H, W, training, path) + sum(cost.dense(u, N, Hr, Wr, training, path)
+                                                               for u in rest)
     _, k1, kr = next(c for c in inp.counts if c[0] == option)
+    if path == "capacity":
+        k1, kr = list_rows(inp, option, k1, kr)
     base = "copy" if first.shortcut == "identity" else "zeros"
-    return cost.sparse(first, N, H, W, option, k1, base, training) + sum(
-        cost.sparse(u, N, Hr, Wr, option, kr, "inplace", training) for u in rest)
+    return cost.sparse(first, N, H, W, option, k1, base, training, path) + sum(
+        cost.sparse(u, N, Hr, Wr, option, kr, "inplace", training, path) for u in rest)
+
+
+def list_rows(inp: StageInput, tile: int, k1: int, kr: int, smallest: int = 8) -> tuple[int, int]:
+    """The rows of the block lists the capacity path runs a stage on at ``tile`` given its counts: the
+    smallest bucket (:func:`~detector.ops.capacity.bucket_for`) of the first unit's grid that holds ``k1`` and
+    of the other units' grid that holds ``kr`` (0 for a one-unit stage)."""
+    (N, H, W), (Hr, Wr) = inp.shape, inp.rest_hw
+    first = inp.units[0]
+    c1 = bucket_for(int(k1), N * first.geometry(H, W, tile).block.num_blocks, smallest)
+    if len(inp.units) == 1:
+        return c1, 0
+    return c1, bucket_for(int(kr), N * inp.units[1].geometry(Hr, Wr, tile).block.num_blocks, smallest)
 
 
 def stage_macs(inp: StageInput, option: int | str) -> int:
@@ -177,14 +194,15 @@ def stage_macs(inp: StageInput, option: int | str) -> int:
     return sparse_macs(first, H, W, option, k1) + sum(sparse_macs(u, Hr, Wr, option, kr) for u in rest)
 
 
-def choose(inputs: Sequence[StageInput], cost: CostModel, training: bool) -> Plan:
+def choose(inputs: Sequence[StageInput], cost: CostModel, training: bool, path: str = "exact") -> Plan:
     """THE decision (pure): per stage its set value, or for 'auto' the option of least estimated cost
-    (dense first, then the tiles in increasing order; a later option must be strictly cheaper)."""
+    (dense first, then the tiles in increasing order; a later option must be strictly cheaper) on ``path``
+    ('exact': the sparse ops sized by the counts; 'capacity': bounded block lists, :mod:`detector.nn.capacity`)."""
     inputs = settle(inputs)
     choices, estimates, macs = [], [], []
     for inp in inputs:
         options = [DENSE] + sorted(c[0] for c in inp.counts)
-        est = [(o, stage_cost(inp, o, cost, training)) for o in options]
+        est = [(o, stage_cost(inp, o, cost, training, path)) for o in options]
         macs.append(tuple((o, stage_macs(inp, o)) for o in options))
         if inp.setting == AUTO:
             best = est[0]
@@ -222,7 +240,7 @@ class Planner:
         self._memo: dict[tuple, Plan] = {}
         self._seen: set[tuple] = set()
         self._new: list[Plan] = []
-        self._printed: set[bool] = set()
+        self._printed: set[tuple[bool, str]] = set()
         self.report_plans = 10  # distinct plans handed to take_new (TensorBoard text), the first ones
         self.last: Plan | None = None
 
@@ -252,24 +270,28 @@ class Planner:
             self._models[(dev, getattr(torch, dtype))] = CostModel.from_dict(d)
         self._memo.clear()  # plans decided under the models these replace
 
-    def prune(self, device: torch.device, dtype: torch.dtype, training: bool) -> tuple[CostModel, bool] | None:
+    def prune(self, device: torch.device, dtype: torch.dtype, training: bool, path: str = "exact"
+              ) -> tuple[CostModel, bool, str] | None:
         """:func:`measure`'s ``prune``: this planner's cost model, except under DDP in training (every rank
         must then measure the same stages: their counts are summed)."""
-        return None if self._shared(training) else (self.cost_model(device, dtype), training)
+        return None if self._shared(training) else (self.cost_model(device, dtype), training, path)
 
     def _shared(self, training: bool) -> bool:
         """Whether the plan is decided for all ranks: inputs summed over them, rank 0's plan broadcast."""
         return self.sync and training and _distributed()
 
-    def decide(self, inputs: Sequence[StageInput], device: torch.device, dtype: torch.dtype, training: bool) -> Plan:
+    def decide(self, inputs: Sequence[StageInput], device: torch.device, dtype: torch.dtype, training: bool,
+               path: str = "exact") -> Plan:
+        """The plan of these inputs (:func:`choose`; ``path``: 'exact' or 'capacity')."""
         inputs = settle(inputs)
         shared = self._shared(training)
         if shared:
             inputs = _sum_over_ranks(inputs, device)
-        key = (training, tuple((i.name, i.setting, id(i.units[0]), i.shape, i.rest_hw, i.counts) for i in inputs))
+        key = (training, path, tuple((i.name, i.setting, id(i.units[0]), i.shape, i.rest_hw, i.counts)
+                                     for i in inputs))
         plan = self._memo.get(key)
         if plan is None:
-            plan = choose(inputs, self.cost_model(device, dtype), training)
+            plan = choose(inputs, self.cost_model(device, dtype), training, path)
             if len(self._memo) > 1024:
                 self._memo.clear()
             self._memo[key] = plan
@@ -279,9 +301,10 @@ class Planner:
             self._seen.add(plan.choices)
             if len(self._seen) <= self.report_plans:
                 self._new.append(plan)
-            if training not in self._printed and (not _distributed() or dist.get_rank() == 0):
-                self._printed.add(training)
-                print(f"execution plan ({'training' if training else 'inference'}; batch of {inputs[0].shape[0]}; "
+            if (training, path) not in self._printed and (not _distributed() or dist.get_rank() == 0):
+                self._printed.add((training, path))
+                what = "training" if training else "inference" if path == "exact" else "inference, capacity path"
+                print(f"execution plan ({what}; batch of {inputs[0].shape[0]}; "
                       "it is decided per batch, later ones are logged as plan/<stage> scalars):\n"
                       + plan.describe(), flush=True)
         self.last = plan

@@ -218,13 +218,14 @@ class SparseResNet(nn.Module):
         return ["stem"] + [f"stage{i}" for i in range(1, len(self.stages))]
 
     def plan_inputs(self, x_shape: tuple[int, ...], mask: torch.Tensor,
-                    settings: list[int | str] | None = None) -> list[StageInput]:
+                    settings: list[int | str] | None = None, path: str = "exact") -> list[StageInput]:
         """The plan inputs of every stage (:func:`detector.nn.plan.measure`) for an input of ``x_shape`` and
         its ``mask`` (in the input's dtype); the masks per stage are those :meth:`forward` passes (max-pooled
-        after stride 2)."""
+        after stride 2). ``path``: what the pruning of 'auto' stages prices (no cost model is needed when no
+        stage is 'auto')."""
         settings = self.block_sizes if settings is None else settings
         N, (H, W) = x_shape[0], x_shape[-2:]
-        prune = self.planner.prune(mask.device, mask.dtype, self.training)
+        prune = self.planner.prune(mask.device, mask.dtype, self.training, path) if AUTO in settings else None
         out = []
         for name, stage, setting in zip(self.stage_names, self.stages, settings, strict=True):
             units = list(stage.units)

@@ -1,0 +1,186 @@
+"""The whole detector on the capacity path (inference on bounded block lists, BevDetector.capacity_forward):
+the exact path's outputs, no data-dependent host call inside the network, one plan priced for that path, overflow
+rerun, and the choice of path."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from detector.errors import ConfigError
+from detector.models import detector as det
+from detector.models.detector import BevDetector, masks_at_strides
+from detector.models.targets import BoxCoder
+from detector.nn.cost import CostModel
+from detector.nn.plan import Planner
+from detector.nn.resnet import SparseResNet
+from tests.models.test_detector import GRID, _batch
+
+SYNCS = ("aten.nonzero", "aten.item", "aten._local_scalar_dense")
+# a hand-set cost model (no calibration in the tests): sparse cheap per block, so 'auto' picks tiles on sparse
+# masks; the capacity path's fixed cost above the exact one's
+COST = CostModel(dense_mac=1e-9, block_mac=((8, 5e-10), (16, 5e-10), (32, 5e-10)), move=1e-10, pass_=1e-10,
+                 dense_unit=1e-5, sparse_unit=2e-5, dense_unit_train=1e-5, sparse_unit_train=2e-5,
+                 fused_mac=((8, 4e-10), (16, 4e-10), (32, 4e-10)), capacity_unit=3e-5, dense_unit_graph=1e-6)
+
+
+def _model(block=8, head_block=16, path="capacity", preact=False) -> BevDetector:
+    torch.manual_seed(0)
+    backbone = SparseResNet(GRID.C, stem_channels=8, stage_units=(1, 2, 1), stage_channels=(8, 12, 16),
+                            stage_strides=(2, 2, 2), bottleneck=False, block_size=block, preact=preact,
+                            planner=Planner(cost=COST))
+    model = BevDetector(GRID, backbone=backbone, coder=BoxCoder(["Car"]), neck_channels=8, head_channels=8,
+                        out_stride=4, head_block_size=head_block, mask_dilation_m=2.0, sparse=True,
+                        inference_path=path)
+    for m in model.modules():  # running statistics away from (0, 1): the batch norm folding is exercised
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.3, 0.3)
+            m.running_var.uniform_(0.5, 2.0)
+            m.bias.data.uniform_(-0.2, 0.2)
+    return model.eval()
+
+
+def _mask(kind: str, n: int = 2) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    if kind == "none":
+        return torch.zeros(n, 1, GRID.H, GRID.W)
+    if kind == "all":
+        return torch.ones(n, 1, GRID.H, GRID.W)
+    m = torch.zeros(n, 1, GRID.H, GRID.W)
+    m[..., 16:60, 30:90] = 1.0  # a road-like patch
+    m[0, 0, 100:104, 5:9] = 1.0  # and a speck in the first frame only
+    return torch.maximum(m, (torch.rand(n, 1, GRID.H, GRID.W, generator=g) > 0.9995).float())
+
+
+def _both(model: BevDetector, batch) -> tuple:
+    """(exact, capacity) outputs; for 'auto' settings the exact path runs the capacity plan's modes (the two
+    paths price their options differently; on active tiles every choice gives the same values, and a dense stage
+    gives dense values on the inactive ones too)."""
+    with torch.no_grad():
+        model.inference_path = "capacity"
+        cap = model(batch)
+        model.inference_path = "exact"
+        if cap.plan is None:
+            exact = model(batch)
+        else:
+            bev = model.voxelize(batch)
+            heat, reg = model.sparse_maps(bev, batch.mask, masks_at_strides(batch.mask, model.neck.strides),
+                                          list(cap.plan.choices))
+            exact = det.DetectorOutput(heat, reg, batch.mask)
+    return exact, cap
+
+
+@pytest.mark.parametrize("block,head_block", [(8, 16), (16, 8), (["dense", 8, 16, 8], "dense"), ("auto", "auto")])
+@pytest.mark.parametrize("kind", ["patch", "none", "all"])
+def test_equals_the_exact_path(block, head_block, kind):
+    model = _model(block, head_block)
+    batch = _batch(2)
+    batch.mask = _mask(kind)
+    exact, cap = _both(model, batch)
+    torch.testing.assert_close(cap.heatmap, exact.heatmap, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cap.regression, exact.regression, rtol=1e-4, atol=1e-4)
+
+
+def test_equals_the_exact_path_preactivation():
+    model = _model(8, 8, preact=True)
+    batch = _batch(1)
+    batch.mask = _mask("patch", 1)
+    exact, cap = _both(model, batch)
+    torch.testing.assert_close(cap.heatmap, exact.heatmap, rtol=1e-4, atol=1e-4)
+
+
+class _Calls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_no_host_call_inside_the_network():
+    """Backbone, neck and head on the lists: no nonzero / item / _local_scalar_dense once the plan is read."""
+    model = _model("auto", "auto")
+    batch = _batch(2)
+    batch.mask = _mask("patch")
+    with torch.no_grad():
+        bev = model.voxelize(batch)
+        lm = masks_at_strides(batch.mask, model.neck.strides)
+        modes, caps, plan = model.capacity_plan(tuple(bev.shape), batch.mask, lm)  # the batch's one read
+        assert plan is not None and any(m != "dense" for m in modes)
+        with _Calls() as calls:
+            model.capacity_maps(bev, batch.mask, lm, modes, caps)
+        with _Calls() as exact:
+            model.sparse_maps(bev, batch.mask, lm, modes)
+    assert calls.seen and not [f for f in calls.seen if f.startswith(SYNCS)]
+    assert [f for f in exact.seen if f.startswith(SYNCS)]  # the check does see the exact path's reads
+
+
+def test_the_plan_is_priced_for_the_capacity_path():
+    model = _model("auto", "auto")
+    batch = _batch(2)
+    batch.mask = _mask("patch")
+    with torch.no_grad():
+        out = model(batch)
+    assert out.plan is not None
+    with torch.no_grad():
+        bev = model.voxelize(batch)
+        lm = masks_at_strides(batch.mask, model.neck.strides)
+        _, _, plan = model.capacity_plan(tuple(bev.shape), batch.mask, lm)
+        _, exact_plan = model.execution_modes(tuple(bev.shape), batch.mask, lm)
+    assert out.plan.choices == plan.choices
+    # same inputs, other prices: the capacity path's fixed costs (COST) differ from the exact path's
+    assert plan.estimates_ms != exact_plan.estimates_ms
+
+
+def test_overflow_reruns_and_loses_no_block(monkeypatch, caplog):
+    model = _model(8, 8)
+    batch = _batch(2)
+    batch.mask = _mask("patch")
+    with torch.no_grad():
+        model.inference_path = "exact"
+        want = model(batch)
+        model.inference_path = "capacity"
+    real = det.capacities
+    calls = []
+
+    def short(inputs, modes, smallest=8):  # the first plan's lists too short: every stage overflows
+        caps = real(inputs, modes, smallest)
+        calls.append(caps)
+        return [None if c is None else (1, 1 if c[1] else 0) for c in caps] if len(calls) == 1 else caps
+
+    monkeypatch.setattr(det, "capacities", short)
+    with caplog.at_level(logging.WARNING, logger="detector.nn.capacity"), torch.no_grad():
+        got = model(batch)
+    assert "capacity overflow" in caplog.text and len(calls) == 2
+    torch.testing.assert_close(got.heatmap, want.heatmap, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.regression, want.regression, rtol=1e-4, atol=1e-4)
+
+
+def test_which_path_runs():
+    model = _model(8, 8, path="auto")
+    bev = torch.zeros(1, GRID.C, GRID.H, GRID.W)
+    with torch.no_grad():
+        assert not model.uses_capacity_path(bev)  # auto: exact on the CPU
+        model.inference_path = "capacity"
+        assert model.uses_capacity_path(bev)
+        model.train()
+        assert not model.uses_capacity_path(bev)  # training: always exact
+    model.eval()
+    assert not model.uses_capacity_path(bev)  # autograd on: exact
+    with pytest.raises(ConfigError, match="model.inference_path"):
+        _model(path="fast")
+
+
+def test_graph_cache_belongs_to_its_model():
+    model = _model(8, 8)
+    model.graphs.get(("k",), lambda a: a, torch.zeros(1))
+    assert len(model.graphs) == 1
+    assert len(copy.deepcopy(model).graphs) == 0
+    model.to(torch.float64)
+    assert len(model.graphs) == 0  # moved tensors: graphs captured on the old ones are dropped
