@@ -148,7 +148,7 @@ def plan(args: dict) -> list[dict]:
     steps.append({"name": "bench_model[float32]", "bench": "model", "dtype": "float32",
                   "skip": None if has_dataset(args["data"]) else f"no dataset at data={args['data']}",
                   "cmd": [py, "scripts/bench_model.py", "device=cuda", "dtype=float32", f"root={args['data']}",
-                          "masks=none,predicted", f"out={work / 'model_gpu_float32.json'}"]})
+                          "masks=none,predicted", "batches=1,8", f"out={work / 'model_gpu_float32.json'}"]})
     steps.append({"name": "profile",
                   "cmd": [py, "scripts/profile_gpu.py", "device=cuda", f"out={out / 'profile_gpu.md'}"]})
     return steps

@@ -184,7 +184,8 @@ class BevDetector(nn.Module):
         self.use_data_mask = sparse  # an attribute: the benchmarks switch a sparse detector's masks off and on
         self.timing = False  # record per-stage wall times (synchronizes on CUDA)
         if inference_path not in INFERENCE_PATHS:
-            raise ConfigError(f"model.inference_path must be one of {', '.join(INFERENCE_PATHS)}, got {inference_path!r}")
+            raise ConfigError(f"model.inference_path must be one of {', '.join(INFERENCE_PATHS)}, "
+                              f"got {inference_path!r}")
         self.inference_path = inference_path
         self.graphs = GraphCache()  # the capacity path's captured graphs (CUDA)
 

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from detector.ops.capacity import BlockList, bucket_for, reduce_mask_capacity
+from detector.ops.capacity import BlockList, reduce_mask_capacity
 from detector.ops.fused import conv_blocks, conv_scatter
 
 from .chain import SparseConvChain, zeros_in_layout

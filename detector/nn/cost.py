@@ -48,8 +48,8 @@ import torch.nn.functional as F
 from detector.machine import cpu_model
 from detector.resources import cache_dir
 
-__all__ = ["CostModel", "PATHS", "dense_macs", "sparse_macs", "calibrate", "load_or_calibrate", "cost_key", "default_cost_file",
-           "machine_busy", "CALIBRATION_SHAPES"]
+__all__ = ["CostModel", "PATHS", "dense_macs", "sparse_macs", "calibrate", "load_or_calibrate", "cost_key",
+           "default_cost_file", "machine_busy", "CALIBRATION_SHAPES"]
 
 CALIBRATION_SHAPES = ("v2: conv3x3 32->32 on 1x128x128 and on (128/T)^2 blocks of T+2 for T in 8,16,32 (plain and "
                       "fused on a block list); chain 8ch 16x16 (exact, capacity path captured)")
