@@ -17,15 +17,16 @@ import torch
 
 import detector.ops as ops
 from detector.ops import _library, calc_block_params, reference
+from tests.ops import cases
 from tests.paths import REPO
 
 HAS_CUDA = torch.cuda.is_available()
 GPU = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
 DEVICES = ["cpu", pytest.param("cuda", marks=GPU)]
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-LAYOUTS = ["nchw", "nhwc"]
-# (H, W, bsize, ksize, stride, padding): halo 2, stride 2
-GEOMETRIES = [(13, 11, (6, 5), 3, 1, 1), (20, 14, (7, 5), 3, 2, 1)]
+DTYPES = [d for d in cases.DTYPES if d != torch.float64]  # float64: the CPU op tests
+LAYOUTS = list(cases.LAYOUTS)
+CASES = ("halo2", "stride2")
+GEOMETRIES = cases.select(*CASES)
 
 
 @pytest.fixture
@@ -38,29 +39,15 @@ def device(request):
     return dev
 
 
-def _fmt(layout):
-    return torch.channels_last if layout == "nhwc" else torch.contiguous_format
-
-
-def _values(shape, dtype, seed, layout="nchw"):
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randint(-8, 9, shape, generator=gen).to(dtype) / 4).contiguous(memory_format=_fmt(layout))
-
-
-def _indices(bp, n, frac, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.rand((n, bp.bcount_h, bp.bcount_w), generator=gen) < frac).nonzero().to(torch.int32)
-
-
 def _to(t, device, layout):
     """A copy of t on device in the layout (always a new tensor, also on the CPU)."""
-    return t.to(device, copy=True).contiguous(memory_format=_fmt(layout))
+    return t.to(device, copy=True).contiguous(memory_format=cases.memory_format(layout))
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("geom", GEOMETRIES, ids=["halo2", "stride2"])
+@pytest.mark.parametrize("geom", cases.params(*CASES))
 def test_ops_equal_the_reference(device, layout, dtype, geom):
     bp = calc_block_params(*geom)
     gen = torch.Generator().manual_seed(0)
@@ -74,19 +61,19 @@ def test_ops_equal_the_reference(device, layout, dtype, geom):
         flags = ops.block_activity(mask.to(device), bp, 0.25, avgpool)
         assert flags.device.type == device
         assert torch.equal(flags.cpu(), reference.block_activity(mask, bp, 0.25, avgpool))
-    idx = _indices(bp, 2, 0.7, 1)
-    x = _values((2, 5, bp.in_h, bp.in_w), dtype, 2)
+    idx = cases.indices(bp, 2, 0.7, 1)
+    x = cases.quarters((2, 5, bp.in_h, bp.in_w), dtype, 2)
     blocks = ops.sparse_gather(_to(x, device, layout), idx.to(device), bp)
-    assert blocks.is_contiguous(memory_format=_fmt(layout))
+    assert blocks.is_contiguous(memory_format=cases.memory_format(layout))
     assert torch.equal(blocks.cpu(), reference.sparse_gather(x, idx, bp))
-    tiles = _values((idx.shape[0], 5, *bp.obsize), dtype, 3)
-    base = _values((2, 5, bp.out_h, bp.out_w), dtype, 4)
+    tiles = cases.quarters((idx.shape[0], 5, *bp.obsize), dtype, 3)
+    base = cases.quarters((2, 5, bp.out_h, bp.out_w), dtype, 4)
     for add in (False, True):
         for relu in (False, True):
             expected = reference.sparse_scatter(tiles, idx, base, bp, add, relu)
             out = ops.sparse_scatter(_to(tiles, device, layout), idx.to(device), _to(base, device, layout), bp,
                                      add, relu)
-            assert out.is_contiguous(memory_format=_fmt(layout)) and torch.equal(out.cpu(), expected)
+            assert out.is_contiguous(memory_format=cases.memory_format(layout)) and torch.equal(out.cpu(), expected)
             inplace = _to(base, device, layout)
             ops.sparse_scatter_(_to(tiles, device, layout), idx.to(device), inplace, bp, add, relu)
             assert torch.equal(inplace.cpu(), expected)
@@ -97,18 +84,18 @@ def test_ops_equal_the_reference(device, layout, dtype, geom):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_backward_equals_the_reference_gradient(device, layout, dtype):
     bp = calc_block_params(*GEOMETRIES[0])
-    idx = _indices(bp, 2, 0.7, 5)
-    x = _values((2, 4, bp.in_h, bp.in_w), dtype, 6)
-    g = _values((idx.shape[0], 4, *bp.bsize), dtype, 7)
+    idx = cases.indices(bp, 2, 0.7, 5)
+    x = cases.quarters((2, 4, bp.in_h, bp.in_w), dtype, 6)
+    g = cases.quarters((idx.shape[0], 4, *bp.bsize), dtype, 7)
     x_ref = x.clone().requires_grad_()
     reference.sparse_gather(x_ref, idx, bp).backward(g)
     xd = _to(x, device, layout).requires_grad_()
     ops.sparse_gather(xd, idx.to(device), bp).backward(_to(g, device, layout))
     assert torch.equal(xd.grad.cpu(), x_ref.grad)
 
-    tiles = _values((idx.shape[0], 4, *bp.obsize), dtype, 8)
-    base = _values((2, 4, bp.out_h, bp.out_w), dtype, 9)
-    go = _values(base.shape, dtype, 10)
+    tiles = cases.quarters((idx.shape[0], 4, *bp.obsize), dtype, 8)
+    base = cases.quarters((2, 4, bp.out_h, bp.out_w), dtype, 9)
+    go = cases.quarters(base.shape, dtype, 10)
     for add in (False, True):
         for relu in (False, True):
             t_ref, b_ref = tiles.clone().requires_grad_(), base.clone().requires_grad_()
@@ -128,13 +115,13 @@ def test_backward_equals_the_reference_gradient(device, layout, dtype):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_gradcheck_float64(device, layout):
     bp = calc_block_params(9, 8, bsize=(5, 4), ksize=3, stride=1, padding=1)
-    idx = _indices(bp, 2, 0.6, 3).to(device)
+    idx = cases.indices(bp, 2, 0.6, 3).to(device)
     opts = {"dtype": torch.float64, "device": device}
-    x = torch.randn((2, 2, 9, 8), **opts).contiguous(memory_format=_fmt(layout)).requires_grad_()
+    x = torch.randn((2, 2, 9, 8), **opts).contiguous(memory_format=cases.memory_format(layout)).requires_grad_()
     fast = device == "cpu"  # the CPU kernels' full gradcheck is in the CPU op tests
     assert torch.autograd.gradcheck(lambda t: ops.sparse_gather(t, idx, bp), (x,), fast_mode=fast)
-    tiles = torch.randn((idx.shape[0], 2, *bp.obsize), **opts).contiguous(memory_format=_fmt(layout))
-    base = torch.randn((2, 2, 9, 8), **opts).contiguous(memory_format=_fmt(layout))
+    tiles = torch.randn((idx.shape[0], 2, *bp.obsize), **opts).contiguous(memory_format=cases.memory_format(layout))
+    base = torch.randn((2, 2, 9, 8), **opts).contiguous(memory_format=cases.memory_format(layout))
     for add in (False, True):
         for relu in (False, True):
             def scatter(b, s, add=add, relu=relu):
@@ -145,12 +132,12 @@ def test_gradcheck_float64(device, layout):
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_deterministic_under_use_deterministic_algorithms(device, layout):
+def test_deterministic_under_use_deterministic_algorithms(device, layout, deterministic):
     H, W, C = (200, 176, 32) if device == "cuda" else (50, 44, 8)
     bp = calc_block_params(H, W, bsize=16, ksize=5, stride=1, padding=2)
     gen = torch.Generator().manual_seed(11)
     mask = (torch.rand((2, 1, H, W), generator=gen) > 0.97).float().to(device)
-    x0 = torch.randn((2, C, H, W), generator=gen).to(device).contiguous(memory_format=_fmt(layout))
+    x0 = torch.randn((2, C, H, W), generator=gen).to(device).contiguous(memory_format=cases.memory_format(layout))
     g = torch.randn((2, C, H, W), generator=gen).to(device)
 
     def run():
@@ -160,14 +147,8 @@ def test_deterministic_under_use_deterministic_algorithms(device, layout):
         (out * g).sum().backward()
         return idx, out.detach(), x.grad
 
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        first, second = run(), run()
-    finally:
-        torch.use_deterministic_algorithms(was)
+    first = deterministic(run, threads=(None, None))  # twice
     assert first[0].shape[0] > 0
-    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -175,11 +156,11 @@ def test_deterministic_under_use_deterministic_algorithms(device, layout):
 def test_cuda_adjoint_equals_the_cpu_kernel_bit_for_bit(device, layout):
     """Both devices add overlapping halos in the same phase order: float32 gradients agree exactly."""
     bp = calc_block_params(*GEOMETRIES[0])
-    idx = _indices(bp, 2, 0.8, 12)
+    idx = cases.indices(bp, 2, 0.8, 12)
     g = torch.randn((idx.shape[0], 4, *bp.bsize), generator=torch.Generator().manual_seed(13))
     grads = []
     for dev in ("cpu", "cuda"):
-        x = torch.zeros((2, 4, bp.in_h, bp.in_w), device=dev).contiguous(memory_format=_fmt(layout))
+        x = torch.zeros((2, 4, bp.in_h, bp.in_w), device=dev).contiguous(memory_format=cases.memory_format(layout))
         x.requires_grad_()
         ops.sparse_gather(x, idx.to(dev), bp).backward(_to(g, dev, layout))
         grads.append(x.grad.cpu())
@@ -209,7 +190,8 @@ def test_sparse_unit_equals_its_dense_twin_on_gpu(device, layout, exact_cuda):
             bn.running_var.uniform_(0.5, 2.0)
             bn.weight.uniform_(0.5, 1.5)
     twin = copy.deepcopy(unit)
-    x = torch.randn((2, 16, H, W), dtype=torch.float64, device=device).contiguous(memory_format=_fmt(layout))
+    x = torch.randn((2, 16, H, W), dtype=torch.float64, device=device)
+    x = x.contiguous(memory_format=cases.memory_format(layout))
     with torch.no_grad():
         dense = twin.forward_dense(x.clone())
         ones = unit(x.clone(), mask=torch.ones((2, 1, H, W), dtype=torch.float64, device=device))
@@ -362,10 +344,10 @@ def test_cuda_bad_input_names_the_op_and_argument(device, call, tmp_path):
     code = (
         "import torch\n"
         "from detector.ops import _library, calc_block_params\n"
-        "from tests.ops.test_cuda import GEOMETRIES, _indices\n"
+        "from tests.ops.test_cuda import GEOMETRIES\nfrom tests.ops.cases import indices\n"
         "_library.load()\n"
         "bp = calc_block_params(*GEOMETRIES[0])\n"
-        "idx = _indices(bp, 2, 0.7, 15)\n"
+        "idx = indices(bp, 2, 0.7, 15)\n"
         "x = torch.zeros((2, 3, bp.in_h, bp.in_w), device='cuda')\n"
         "geo = (bp.bsize, bp.bstride, bp.boffset)\n"
         "try:\n"

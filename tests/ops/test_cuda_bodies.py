@@ -18,20 +18,13 @@ import pytest
 import torch
 
 from detector.ops import _library, calc_block_params, reference
+from tests.ops import cases, cuda_emulation
 
-from . import cuda_emulation
-
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-LAYOUTS = ["nchw", "nhwc"]
-# (H, W, bsize, ksize, stride, padding): halos of 2 (2 x 2 phases), stride 2, a 5 x 5 kernel (2 x 3
-# phases), and blocks larger than the map.
-GEOMETRIES = [
-    (13, 11, (6, 5), 3, 1, 1),
-    (20, 14, (7, 5), 3, 2, 1),
-    (9, 10, (8, 6), 5, 1, 2),
-    (7, 9, 16, 3, 1, 1),
-]
-GEOM_IDS = ["halo2", "stride2", "k5", "big-block"]
+DTYPES = cases.DTYPES
+LAYOUTS = list(cases.LAYOUTS)
+# halos of 2 (2 x 2 phases), stride 2, a 5 x 5 kernel (2 x 3 phases), and blocks larger than the map
+CASES = ("halo2", "stride2", "k5-rect", "big-block")
+GEOMETRIES = cases.select(*CASES)
 N, C = 2, 3
 
 
@@ -51,17 +44,6 @@ def index(request, monkeypatch):
     return request.param
 
 
-def _fmt(layout: str) -> torch.memory_format:
-    return torch.channels_last if layout == "nhwc" else torch.contiguous_format
-
-
-def _values(shape, dtype, seed: int, layout: str = "nchw") -> torch.Tensor:
-    """Multiples of 1/4 in [-2, 2]: exact in every dtype, and so are sums of a few of them."""
-    gen = torch.Generator().manual_seed(seed)
-    t = torch.randint(-8, 9, shape, generator=gen).to(dtype) / 4
-    return t.contiguous(memory_format=_fmt(layout))
-
-
 def _full_grid(bp) -> torch.Tensor:
     """Every block of the grid in both samples: blocks at every map border (and beyond it)."""
     rows = [(n, by, bx) for n in range(N) for by in range(bp.bcount_h) for bx in range(bp.bcount_w)]
@@ -76,7 +58,7 @@ def _tile_bp(bp):
 
 def _assert_same(actual: torch.Tensor, expected: torch.Tensor, layout: str) -> None:
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    assert actual.is_contiguous(memory_format=_fmt(layout)), actual.stride()
+    assert actual.is_contiguous(memory_format=cases.memory_format(layout)), actual.stride()
     assert torch.equal(actual, expected)
 
 
@@ -99,35 +81,35 @@ def test_schemas_are_those_of_the_sbnet_library(emu):
         assert str(getattr(emu, name).default._schema).replace("sbnet_emu::", "sbnet::") == ours
 
 
-@pytest.mark.parametrize("geom", GEOMETRIES, ids=GEOM_IDS)
+@pytest.mark.parametrize("geom", cases.params(*CASES))
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gather_and_its_adjoints(emu, index, geom, layout, dtype):
     bp, idx = _setup(geom)
     size = [N, C, bp.in_h, bp.in_w]
-    x = _values(size, dtype, 1, layout)
+    x = cases.quarters(size, dtype, 1, layout)
     blocks = emu.sparse_gather(x, idx, bp.bsize, bp.bstride, bp.boffset)
     _assert_same(blocks, reference.sparse_gather(x, idx, bp), layout)
 
-    g = _values(blocks.shape, dtype, 2, layout)
+    g = cases.quarters(blocks.shape, dtype, 2, layout)
     x_ref = torch.zeros(size, dtype=dtype, requires_grad=True)
     reference.sparse_gather(x_ref, idx, bp).backward(g)
     grad = emu.sparse_gather_backward(g, idx, size, bp.bstride, bp.boffset, layout == "nhwc")
     _assert_same(grad, x_ref.grad, layout)
 
-    acc = _values(size, dtype, 3, layout)
+    acc = cases.quarters(size, dtype, 3, layout)
     expected = acc + x_ref.grad
     emu.sparse_gather_backward_(g, idx, acc, bp.bstride, bp.boffset)
     _assert_same(acc, expected, layout)
 
 
-@pytest.mark.parametrize("geom", GEOMETRIES, ids=GEOM_IDS)
+@pytest.mark.parametrize("geom", cases.params(*CASES))
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_scatter_write_add_relu_and_in_place(emu, index, geom, layout, dtype):
     bp, idx = _setup(geom)
-    blocks = _values([idx.shape[0], C, bp.obsize_h, bp.obsize_w], dtype, 4, layout)
-    base = _values([N, C, bp.out_h, bp.out_w], dtype, 5, layout)
+    blocks = cases.quarters([idx.shape[0], C, bp.obsize_h, bp.obsize_w], dtype, 4, layout)
+    base = cases.quarters([N, C, bp.out_h, bp.out_w], dtype, 5, layout)
     before = base.clone()
     for add in (False, True):
         for relu in (False, True):
@@ -140,19 +122,20 @@ def test_scatter_write_add_relu_and_in_place(emu, index, geom, layout, dtype):
             _assert_same(inplace, expected, layout)
 
 
-@pytest.mark.parametrize("geom", GEOMETRIES, ids=GEOM_IDS)
+@pytest.mark.parametrize("geom", cases.params(*CASES))
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_scatter_backward_is_the_reference_gradient(emu, index, geom, layout, dtype):
     bp, idx = _setup(geom)
-    blocks = _values([idx.shape[0], C, bp.obsize_h, bp.obsize_w], dtype, 6, layout).requires_grad_()
-    base = _values([N, C, bp.out_h, bp.out_w], dtype, 7, layout).requires_grad_()
-    grad_out = _values(base.shape, dtype, 8, layout)
+    blocks = cases.quarters([idx.shape[0], C, bp.obsize_h, bp.obsize_w], dtype, 6, layout).requires_grad_()
+    base = cases.quarters([N, C, bp.out_h, bp.out_w], dtype, 7, layout).requires_grad_()
+    grad_out = cases.quarters(base.shape, dtype, 8, layout)
     for add in (False, True):
         for relu in (False, True):
             out = reference.sparse_scatter(blocks, idx, base, bp, add, relu)
             exp_blocks, exp_base = torch.autograd.grad(out, (blocks, base), grad_out)
-            tiles = reference.sparse_gather(out.detach(), idx, _tile_bp(bp)).contiguous(memory_format=_fmt(layout))
+            tiles = reference.sparse_gather(out.detach(), idx, _tile_bp(bp))
+            tiles = tiles.contiguous(memory_format=cases.memory_format(layout))
             args = (grad_out, idx, tiles if relu else None, bp.obsize, bp.obsize, [0, 0], add, relu)
             grad_blocks, grad_base = emu.sparse_scatter_backward(*args, True, True)
             _assert_same(grad_blocks, exp_blocks, layout)
@@ -163,7 +146,7 @@ def test_scatter_backward_is_the_reference_gradient(emu, index, geom, layout, dt
             assert torch.equal(only_blocks[0], exp_blocks) and torch.equal(only_base[1], exp_base)
 
 
-@pytest.mark.parametrize("geom", GEOMETRIES, ids=GEOM_IDS)
+@pytest.mark.parametrize("geom", cases.params(*CASES))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_reduce_mask(emu, geom, dtype):
     bp, _ = _setup(geom)
@@ -186,12 +169,12 @@ def test_k_zero(emu, layout):
     bp, _ = _setup(GEOMETRIES[0])
     idx = emu.reduce_mask(torch.zeros(N, 1, bp.in_h, bp.in_w), bp.bsize, bp.bstride, bp.boffset, bp.bcount, 0.5, False)
     assert idx.shape == (0, 3) and idx.dtype == torch.int32
-    x = _values([N, C, bp.in_h, bp.in_w], torch.float32, 1, layout)
+    x = cases.quarters([N, C, bp.in_h, bp.in_w], torch.float32, 1, layout)
     blocks = emu.sparse_gather(x, idx, bp.bsize, bp.bstride, bp.boffset)
     assert blocks.shape == (0, C, *bp.bsize)
     grad = emu.sparse_gather_backward(blocks, idx, list(x.shape), bp.bstride, bp.boffset, layout == "nhwc")
     _assert_same(grad, torch.zeros_like(x), layout)
-    tiles = x.new_zeros((0, C, *bp.obsize)).contiguous(memory_format=_fmt(layout))
+    tiles = x.new_zeros((0, C, *bp.obsize)).contiguous(memory_format=cases.memory_format(layout))
     _assert_same(emu.sparse_scatter(tiles, idx, x, bp.obsize, [0, 0], True, True), x, layout)
     gb, gbase = emu.sparse_scatter_backward(x, idx, tiles, bp.obsize, bp.obsize, [0, 0], False, True, True, True)
     assert gb.shape == tiles.shape
@@ -223,13 +206,13 @@ def _cpu_kernel_adjoint():
     return torch.ops.sbnet.sparse_gather_backward
 
 
-@pytest.mark.parametrize("geom", GEOMETRIES[:3], ids=GEOM_IDS[:3])
+@pytest.mark.parametrize("geom", cases.params(*CASES[:3]))
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_adjoint_adds_in_phase_order_bit_for_bit(emu, geom, layout, monkeypatch):
     bp, idx = _setup(geom)
     size = [N, 4, bp.in_h, bp.in_w]
     gen = torch.Generator().manual_seed(10)
-    g = torch.randn((idx.shape[0], 4, *bp.bsize), generator=gen).contiguous(memory_format=_fmt(layout))
+    g = torch.randn((idx.shape[0], 4, *bp.bsize), generator=gen).contiguous(memory_format=cases.memory_format(layout))
     got = emu.sparse_gather_backward(g, idx, size, bp.bstride, bp.boffset, layout == "nhwc")
     assert torch.equal(got, _phase_ordered_sum(g, idx, size, bp))
     # the data tells orders apart: adding the phases the other way round rounds differently
@@ -291,7 +274,7 @@ def test_bad_input_names_the_op_and_argument(emu):
             call()
 
 
-@pytest.mark.parametrize("geom", GEOMETRIES, ids=GEOM_IDS)
+@pytest.mark.parametrize("geom", cases.params(*CASES))
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_emulated_ops_equal_the_cpu_kernels(emu, geom, layout):
     """Two implementations of one semantics (row-copying CPU kernels, element-wise CUDA bodies): equal bit
@@ -304,7 +287,7 @@ def test_emulated_ops_equal_the_cpu_kernels(emu, geom, layout):
     gen = torch.Generator().manual_seed(14)
 
     def rand(*shape):
-        return torch.randn(shape, generator=gen).contiguous(memory_format=_fmt(layout))
+        return torch.randn(shape, generator=gen).contiguous(memory_format=cases.memory_format(layout))
 
     x, g = rand(N, C, bp.in_h, bp.in_w), rand(idx.shape[0], C, *bp.bsize)
     geo = (bp.bsize, bp.bstride, bp.boffset)

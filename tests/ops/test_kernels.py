@@ -14,21 +14,11 @@ import torch
 
 import detector.ops as ops
 from detector.ops import _library, calc_block_params, reference
+from tests.ops import cases
 from tests.paths import REPO
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-
-GEOMETRIES = [
-    # H, W, bsize, ksize, stride, padding
-    (13, 11, (6, 5), 3, 1, 1),
-    (7, 9, 16, 3, 1, 1),  # blocks larger than the map
-    (20, 14, (7, 5), 3, 2, 1),
-    (15, 12, 9, 5, 1, 2),
-    (11, 10, 4, 1, 1, 0),
-    (12, 13, (6, 8), (3, 5), 1, (0, 2)),
-    (40, 36, 10, 5, 1, 2),  # many blocks: several OpenMP chunks
-    (17, 19, 8, 6, 1, 3),  # bstride 3 < bsize 8: up to 3 x 3 blocks overlap a pixel
-]
+CASES = ("halo2", "big-block", "stride2", "k5", "1x1", "rect-kernel", "many-blocks", "overlap3")
+GEOMETRIES = cases.select(*CASES)  # a geometry's position here seeds its data
 
 
 @pytest.fixture(scope="session")
@@ -40,11 +30,6 @@ def kernels():
             pytest.skip(f"sbnet kernels not available: {reason}")
         pytest.fail(f"sbnet kernels failed to build: {reason}")
     return torch.ops.sbnet
-
-
-def _idx(N, bp, frac, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.rand((N, bp.bcount_h, bp.bcount_w), generator=gen) < frac).nonzero().to(torch.int32)
 
 
 def _rand(shape, dtype, seed, layout="contiguous"):
@@ -61,8 +46,8 @@ def _rand(shape, dtype, seed, layout="contiguous"):
 
 
 # ------------------------------------------------------------------------- kernels == reference
-@pytest.mark.parametrize("geom", GEOMETRIES)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("geom", cases.params(*CASES))
+@pytest.mark.parametrize("dtype", cases.DTYPES, ids=str)
 @pytest.mark.parametrize("layout", ["contiguous", "permuted", "sliced"])
 def test_gather_scatter_match_reference(kernels, geom, dtype, layout):
     """Copies and single adds: bit-identical to the reference in every dtype."""
@@ -71,7 +56,7 @@ def test_gather_scatter_match_reference(kernels, geom, dtype, layout):
     seed = GEOMETRIES.index(geom)
     N, C = 3, 5
     x = _rand((N, C, H, W), dtype, seed, layout)
-    idx = _idx(N, bp, 0.5, seed)
+    idx = cases.indices(bp, N, 0.5, seed)
     assert layout == "contiguous" or not x.is_contiguous()
     got = ops.sparse_gather(x, idx, bp)
     assert torch.equal(got, reference.sparse_gather(x, idx, bp))
@@ -87,8 +72,8 @@ def test_gather_scatter_match_reference(kernels, geom, dtype, layout):
         assert torch.equal(inplace, expected)
 
 
-@pytest.mark.parametrize("geom", GEOMETRIES)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("geom", cases.params(*CASES))
+@pytest.mark.parametrize("dtype", cases.DTYPES, ids=str)
 @pytest.mark.parametrize("avgpool", [False, True])
 def test_reduce_mask_matches_reference(kernels, geom, dtype, avgpool):
     H, W, bsize, ksize, stride, padding = geom
@@ -111,13 +96,13 @@ def test_reduce_mask_bool_and_noncontiguous(kernels):
     assert torch.equal(ops.reduce_mask(mask, bp, 0.5), reference.reduce_mask(mask.float(), bp, 0.5))
 
 
-@pytest.mark.parametrize("geom", GEOMETRIES)
+@pytest.mark.parametrize("geom", cases.params(*CASES))
 def test_gather_backward_matches_reference(kernels, geom):
     """Overlapping halos add up: integer-valued gradients make every summation order exact."""
     H, W, bsize, ksize, stride, padding = geom
     bp = calc_block_params(H, W, bsize, ksize, stride, padding)
     seed = GEOMETRIES.index(geom)
-    idx = _idx(2, bp, 0.7, seed)
+    idx = cases.indices(bp, 2, 0.7, seed)
     gen = torch.Generator().manual_seed(seed)
     grad = torch.randint(-8, 9, (idx.shape[0], 3, bp.bsize_h, bp.bsize_w), generator=gen).float()
     x = torch.zeros((2, 3, H, W), requires_grad=True)
@@ -127,10 +112,10 @@ def test_gather_backward_matches_reference(kernels, geom):
     assert torch.equal(x.grad, x_ref.grad)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", cases.LOW_PRECISION, ids=str)
 def test_gather_backward_low_precision(kernels, dtype):
     bp = calc_block_params(20, 18, bsize=8, ksize=5, stride=1, padding=2)  # halo 4: up to 4 overlaps
-    idx = _idx(2, bp, 0.8, 3)
+    idx = cases.indices(bp, 2, 0.8, 3)
     grad = torch.randn((idx.shape[0], 4, 8, 8), generator=torch.Generator().manual_seed(3))
     x = torch.zeros((2, 4, 20, 18), dtype=dtype, requires_grad=True)
     (ops.sparse_gather(x, idx, bp) * grad.to(dtype)).sum().backward()
@@ -143,7 +128,7 @@ def test_gather_backward_low_precision(kernels, dtype):
 
 def test_scatter_backward_matches_reference(kernels):
     bp = calc_block_params(17, 15, bsize=(7, 5), ksize=3, stride=2, padding=1)
-    idx = _idx(2, bp, 0.6, 5)
+    idx = cases.indices(bp, 2, 0.6, 5)
     for add in (True, False):
         grads = []
         for fn in (ops.sparse_scatter, reference.sparse_scatter):
@@ -220,11 +205,11 @@ def test_k_zero_everywhere(kernels):
 
 
 # ------------------------------------------------------------------------------ autograd checks
-@pytest.mark.parametrize("geom", [(7, 6, (5, 4), 3, 1, 1), (9, 7, 7, 3, 2, 1), (6, 7, 6, 5, 1, 2)])
+@pytest.mark.parametrize("geom", cases.params("tiny-halo2", "tiny-stride2", "tiny-k5"))
 def test_gradcheck_float64(kernels, geom):
     H, W, bsize, ksize, stride, padding = geom
     bp = calc_block_params(H, W, bsize, ksize, stride, padding)
-    idx = _idx(2, bp, 0.6, 11)
+    idx = cases.indices(bp, 2, 0.6, 11)
     x = _rand((2, 1, H, W), torch.float64, 12).requires_grad_()
     assert torch.autograd.gradcheck(lambda t: ops.sparse_gather(t, idx, bp), (x,))
     assert torch.autograd.gradgradcheck(lambda t: ops.sparse_gather(t, idx, bp), (x,), fast_mode=True)
@@ -239,15 +224,15 @@ def test_gradcheck_float64(kernels, geom):
 
 
 def _opcheck_cases(kernels):
-    bp = calc_block_params(13, 11, bsize=(6, 5), ksize=3, stride=1, padding=1)
-    idx = _idx(2, bp, 0.5, 21)
+    bp = calc_block_params(*cases.GEOMETRIES["halo2"])  # 13 x 11
+    idx = cases.indices(bp, 2, 0.5, 21)
     x = _rand((2, 3, 13, 11), torch.float32, 22).requires_grad_()
     mask = (_rand((2, 1, 13, 11), torch.float32, 23) > 1.0).float()
     blocks = _rand((idx.shape[0], 3, bp.obsize_h, bp.obsize_w), torch.float32, 24).requires_grad_()
     base = _rand((2, 3, 13, 11), torch.float32, 25).requires_grad_()
     grad_blocks = _rand((idx.shape[0], 3, bp.bsize_h, bp.bsize_w), torch.float32, 26).requires_grad_()
     g, s, o = list(bp.bsize), list(bp.bstride), list(bp.boffset)
-    cases = [
+    calls = [
         (kernels.sparse_gather, (x, idx, g, s, o)),
         (kernels.sparse_gather_backward, (grad_blocks, idx, [2, 3, 13, 11], s, o)),
         (kernels.sparse_scatter, (blocks, idx, base, list(bp.obsize), [0, 0], True)),
@@ -255,7 +240,7 @@ def _opcheck_cases(kernels):
         (kernels.sparse_scatter_, (blocks.detach(), idx, base.detach().clone(), list(bp.obsize), [0, 0],
                                    True)),
     ]
-    return cases + [(kernels.reduce_mask, (mask, g, s, o, list(bp.bcount), 0.5, False)),
+    return calls + [(kernels.reduce_mask, (mask, g, s, o, list(bp.bcount), 0.5, False)),
                     (kernels.block_activity, (mask, g, s, o, list(bp.bcount), 0.5, False))]
 
 
@@ -275,15 +260,13 @@ def test_opcheck_aot_dispatch(kernels):
 
 
 # -------------------------------------------------------------------------------- determinism
-def test_deterministic_bit_identical(kernels):
+def test_deterministic_bit_identical(kernels, deterministic):
     bp = calc_block_params(64, 56, bsize=12, ksize=5, stride=1, padding=2)
     mask = (_rand((2, 1, 64, 56), torch.float32, 31) > 1.2).float()
     x = _rand((2, 16, 64, 56), torch.float32, 32)
     g = _rand((2, 16, 64, 56), torch.float32, 33)
-    threads = torch.get_num_threads()
 
-    def run(num_threads):
-        torch.set_num_threads(num_threads)
+    def run():
         xx = x.clone().requires_grad_()
         idx = ops.reduce_mask(mask, bp, 0.5)
         blocks = ops.sparse_gather(xx, idx, bp)
@@ -291,15 +274,7 @@ def test_deterministic_bit_identical(kernels):
         (out * g).sum().backward()
         return idx, out.detach(), xx.grad
 
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        first = run(threads)
-        for again in (run(threads), run(1), run(max(2, threads))):
-            assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
-    finally:
-        torch.use_deterministic_algorithms(was)
-        torch.set_num_threads(threads)
+    deterministic(run)  # the current thread count twice, 1, at least 2
 
 
 # ------------------------------------------------------------------------------------ errors

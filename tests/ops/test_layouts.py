@@ -7,26 +7,17 @@ import torch
 
 import detector.ops as ops
 from detector.ops import ResidualBlocks, _library, calc_block_params, reference
+from tests.ops import cases
 
 CL = torch.channels_last
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-GEOMETRIES = [  # H, W, bsize, ksize, stride, padding
-    (13, 11, (6, 5), 3, 1, 1),
-    (7, 9, 16, 3, 1, 1),
-    (20, 14, (7, 5), 3, 2, 1),
-    (17, 19, 8, 6, 1, 3),
-]
+CASES = ("halo2", "big-block", "stride2", "overlap3")
+GEOMETRIES = cases.select(*CASES)  # a geometry's position here seeds its data
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
     if not _library.load():
         pytest.skip(f"sbnet kernels not available: {_library.unavailable_reason('cpu')}")
-
-
-def _idx(N, bp, frac, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.rand((N, bp.bcount_h, bp.bcount_w), generator=gen) < frac).nonzero().to(torch.int32)
 
 
 def _rand(shape, dtype, seed, fmt=torch.contiguous_format):
@@ -38,15 +29,15 @@ def _is_cl(t):
     return t.is_contiguous(memory_format=CL) and not t.is_contiguous()
 
 
-@pytest.mark.parametrize("geom", GEOMETRIES)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("geom", cases.params(*CASES))
+@pytest.mark.parametrize("dtype", cases.DTYPES, ids=str)
 def test_channels_last_ops_match_reference_and_keep_the_layout(geom, dtype):
     H, W, bsize, ksize, stride, padding = geom
     bp = calc_block_params(H, W, bsize, ksize, stride, padding)
     seed = GEOMETRIES.index(geom)
     N, C = 2, 6
     x = _rand((N, C, H, W), dtype, seed, CL)
-    idx = _idx(N, bp, 0.6, seed)
+    idx = cases.indices(bp, N, 0.6, seed)
     blocks = ops.sparse_gather(x, idx, bp)
     assert _is_cl(blocks) or idx.shape[0] == 0
     assert torch.equal(blocks, reference.sparse_gather(x.contiguous(), idx, bp))
@@ -64,7 +55,7 @@ def test_channels_last_ops_match_reference_and_keep_the_layout(geom, dtype):
             assert _is_cl(inplace) and torch.equal(inplace, expected)
 
 
-@pytest.mark.parametrize("fmt", [torch.contiguous_format, CL])
+@pytest.mark.parametrize("fmt", cases.FORMATS)
 def test_relu_scatter_rule(fmt):
     """relu(base + tile) on the tiles (relu(tile) when written), base elsewhere, NaN kept as torch does."""
     bp = calc_block_params(8, 8, bsize=6, ksize=3)  # 4 x 4 tiles
@@ -82,11 +73,11 @@ def test_relu_scatter_rule(fmt):
     assert (written[0, :, 5, 1] == 0.5).all() and written[0, :, 4, 0].eq(0).all()
 
 
-@pytest.mark.parametrize("fmt", [torch.contiguous_format, CL])
+@pytest.mark.parametrize("fmt", cases.FORMATS)
 @pytest.mark.parametrize("relu", [False, True])
 def test_gradcheck_channels_last_and_inplace(fmt, relu):
     bp = calc_block_params(9, 8, bsize=(5, 4), ksize=3, stride=1, padding=1)
-    idx = _idx(2, bp, 0.6, 4)
+    idx = cases.indices(bp, 2, 0.6, 4)
     x = _rand((2, 3, 9, 8), torch.float64, 5, fmt).requires_grad_()
     assert torch.autograd.gradcheck(lambda t: ops.sparse_gather(t, idx, bp), (x,))
     tiles = _rand((idx.shape[0], 3, bp.obsize_h, bp.obsize_w), torch.float64, 6, fmt)
@@ -115,12 +106,12 @@ def _unit_reference(x, idx, bp, w, relu):
     return reference.sparse_scatter(tiles, idx, x, bp, add=True, relu=relu)
 
 
-@pytest.mark.parametrize("fmt", [torch.contiguous_format, CL])
+@pytest.mark.parametrize("fmt", cases.FORMATS)
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("relu", [False, True])
 def test_residual_pair_values_and_gradients(fmt, inplace, relu):
     bp = calc_block_params(11, 10, bsize=6, ksize=3, stride=1, padding=1)
-    idx = _idx(2, bp, 0.6, 8)
+    idx = cases.indices(bp, 2, 0.6, 8)
     w = _rand((3, 3, 3, 3), torch.float64, 9).requires_grad_()
     x0 = _rand((2, 3, 11, 10), torch.float64, 10, fmt).requires_grad_()
     expected = _unit_reference(x0, idx, bp, w, relu)
@@ -148,31 +139,21 @@ def test_inplace_scatter_is_caught_when_its_base_was_saved():
         z.sum().backward()
 
 
-@pytest.mark.parametrize("fmt", [torch.contiguous_format, CL])
-def test_residual_pair_deterministic_across_threads(fmt):
+@pytest.mark.parametrize("fmt", cases.FORMATS)
+def test_residual_pair_deterministic_across_threads(fmt, deterministic):
     bp = calc_block_params(40, 36, bsize=10, ksize=5, stride=1, padding=2)
-    idx = _idx(2, bp, 0.7, 12)
+    idx = cases.indices(bp, 2, 0.7, 12)
     w = _rand((16, 16, 5, 5), torch.float32, 13)
     x0 = _rand((2, 16, 40, 36), torch.float32, 14, fmt)
     g = _rand((2, 16, 40, 36), torch.float32, 15)
-    threads = torch.get_num_threads()
 
-    def run(n):
-        torch.set_num_threads(n)
+    def run():
         x = x0.clone().requires_grad_()
         out = _unit(x * 1.0, idx, bp, w, True, True)
         (out * g).sum().backward()
         return out.detach(), x.grad
 
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        first = run(threads)
-        for again in (run(threads), run(1), run(max(2, threads))):
-            assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
-    finally:
-        torch.use_deterministic_algorithms(was)
-        torch.set_num_threads(threads)
+    deterministic(run)  # the current thread count twice, 1, at least 2
 
 
 def test_raw_ops_reject_other_stride_patterns():
@@ -189,13 +170,13 @@ def test_raw_ops_reject_other_stride_patterns():
     assert torch.equal(ops.sparse_gather(sliced, idx, bp), reference.sparse_gather(sliced.contiguous(), idx, bp))
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", cases.LOW_PRECISION, ids=str)
 @pytest.mark.parametrize("inplace", [False, True])
 def test_low_precision_backward_of_relu_scatter_and_residual_pair(dtype, inplace):
     """fp16/bf16 gradients of the relu scatter (copy and in place) and of the residual pair against the
     reference ops in the same dtype (the same rounding, so the same relu mask)."""
     bp = calc_block_params(20, 18, bsize=8, ksize=3, stride=1, padding=1)
-    idx = _idx(2, bp, 0.7, 16)
+    idx = cases.indices(bp, 2, 0.7, 16)
     tiles = _rand((idx.shape[0], 4, bp.obsize_h, bp.obsize_w), dtype, 17, CL)
     base = _rand((2, 4, 20, 18), dtype, 18, CL)
     g = _rand((2, 4, 20, 18), dtype, 19, CL)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import detector.ops as ops
 from detector.ops import calc_block_params, reference
+from tests.ops import cases
 
 
 class _Public:
@@ -28,16 +29,8 @@ def impl(request):
     return reference if request.param == "reference" else _Public
 
 
-GEOMETRIES = [
-    # H, W, bsize, ksize, stride, padding
-    (13, 11, (6, 5), 3, 1, 1),
-    (16, 16, 8, 3, 1, 1),
-    (7, 9, 16, 3, 1, 1),  # blocks larger than the map
-    (20, 14, (7, 5), 3, 2, 1),
-    (15, 12, 9, 5, 1, 2),
-    (11, 10, 4, 1, 1, 0),  # 1x1 conv: no halo
-    (12, 13, (6, 8), (3, 5), (1, 1), (0, 2)),
-]
+CASES = ("halo2", "square", "big-block", "stride2", "k5", "1x1", "rect-kernel")
+GEOMETRIES = cases.select(*CASES)  # a geometry's position here seeds its data
 
 
 # ------------------------------------------------------------------------------ brute-force oracles
@@ -89,7 +82,7 @@ def random_indices(N: int, bp, frac: float, gen: torch.Generator) -> torch.Tenso
 
 
 # ---------------------------------------------------------------------------------------- tests
-@pytest.mark.parametrize("geom", GEOMETRIES)
+@pytest.mark.parametrize("geom", cases.params(*CASES))
 @pytest.mark.parametrize("avgpool", [False, True])
 def test_reduce_mask_and_block_activity_match_brute_force(impl, geom, avgpool):
     """reduce_mask lists exactly the blocks the rule activates; block_activity flags exactly those (one flag per
@@ -139,7 +132,7 @@ def test_reduce_mask_strict_threshold_and_empty(impl):
     assert impl.reduce_mask(mask, bp, 0.49, False).shape == (3 * bp.num_blocks, 3)
 
 
-@pytest.mark.parametrize("geom", GEOMETRIES)
+@pytest.mark.parametrize("geom", cases.params(*CASES))
 def test_gather_matches_brute_force(impl, geom):
     H, W, bsize, ksize, stride, padding = geom
     bp = calc_block_params(H, W, bsize, ksize, stride, padding)
@@ -151,7 +144,7 @@ def test_gather_matches_brute_force(impl, geom):
     np.testing.assert_array_equal(got.numpy(), oracle_gather(x.numpy(), idx.tolist(), bp))
 
 
-@pytest.mark.parametrize("geom", GEOMETRIES)
+@pytest.mark.parametrize("geom", cases.params(*CASES))
 @pytest.mark.parametrize("add", [True, False])
 def test_scatter_matches_brute_force(impl, geom, add):
     H, W, bsize, ksize, stride, padding = geom
@@ -168,7 +161,7 @@ def test_scatter_matches_brute_force(impl, geom, add):
     np.testing.assert_array_equal(inplace.numpy(), expected)
 
 
-@pytest.mark.parametrize("geom", GEOMETRIES)
+@pytest.mark.parametrize("geom", cases.params(*CASES))
 def test_sparse_conv_equals_dense_conv_on_active_tiles(impl, geom):
     """gather -> VALID conv -> scatter(add=False) equals the dense conv on active tiles, base elsewhere;
     with every block active it equals the dense conv everywhere."""
