@@ -184,3 +184,21 @@ def test_graph_cache_belongs_to_its_model():
     assert len(copy.deepcopy(model).graphs) == 0
     model.to(torch.float64)
     assert len(model.graphs) == 0  # moved tensors: graphs captured on the old ones are dropped
+
+
+def test_compiles_fullgraph():
+    """The whole network on the lists traces as one graph (no graph break: nothing for the host to read)."""
+    model = _model(8, 16)
+    batch = _batch(1)
+    batch.mask = _mask("patch", 1)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        bev = model.voxelize(batch)
+        lm = masks_at_strides(batch.mask, model.neck.strides)
+        modes, caps, _ = model.capacity_plan(tuple(bev.shape), batch.mask, lm)
+        want = model.capacity_maps(bev, batch.mask, lm, modes, caps)
+        f = torch.compile(lambda b, m, *l: model.capacity_maps(b, m, l, modes, caps), fullgraph=True, backend="eager")
+        got = f(bev, batch.mask, *lm)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+    assert not bool(got[2])
