@@ -7,7 +7,7 @@ import json
 import pytest
 
 from detector.bench import train as bench
-from tests.test_plan import COST_OVERRIDE
+from tests.nn.test_plan import COST_OVERRIDE
 from tests.test_train import TINY
 
 

@@ -89,7 +89,7 @@ def test_validation_logs_mask_quality_and_plan(tmp_path, tiny_root):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from detector.tasks import train
-    from tests.test_plan import COST_OVERRIDE
+    from tests.nn.test_plan import COST_OVERRIDE
     from tests.test_train import _cfg
 
     cfg = _cfg(tmp_path, tiny_root, "mask=road_map", "model.block_size=[auto,16,16,16,16]",
@@ -112,7 +112,7 @@ def test_plan_scalars_are_logged_at_the_steps_lightning_writes(tmp_path, tiny_ro
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from detector.tasks import train
-    from tests.test_plan import COST_OVERRIDE
+    from tests.nn.test_plan import COST_OVERRIDE
     from tests.test_train import _cfg
 
     cfg = _cfg(tmp_path, tiny_root, "mask=road_map", "model.block_size=auto", "model.head_block_size=auto",

@@ -322,7 +322,7 @@ def test_resume_with_a_plan_continues_exactly(tmp_path, tiny_root):
               # the stages stay sparse: torch 2.13's CPU backward of a 1x1 stride-2 conv on some small channels-last
               # maps (e.g. [1, 8, 64, 96]) corrupts the heap, and a dense stage runs its projection that way
               "mask=road_map", "model.block_size=[auto,16,16,16,16]", "model.head_block_size=auto", COST_OVERRIDE,
-              "+callbacks.plans._target_=tests.test_plan.RecordPlans"]
+              "+callbacks.plans._target_=tests.nn.test_plan.RecordPlans"]
     RecordPlans.seen = []
     straight = train(_cfg(tmp_path / "a", tiny_root, *common))
     stop = ["+callbacks.stop._target_=tests.test_train.StopAtStep", "+callbacks.stop.step=2"]
@@ -356,7 +356,7 @@ def test_resume_keeps_the_runs_cost_model(tmp_path, tiny_root, monkeypatch):
               "callbacks.model_checkpoint.every_n_train_steps=2", "callbacks.model_checkpoint.save_top_k=-1",
               "evaluate_after=false", "logger=none", "trainer.limit_val_batches=0", "data.batch_size=1",
               "mask=road_map", "model.block_size=[auto,16,16,16,16]", "model.head_block_size=auto",
-              "+callbacks.plans._target_=tests.test_plan.RecordPlans"]
+              "+callbacks.plans._target_=tests.nn.test_plan.RecordPlans"]
     RecordPlans.seen = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # "calibrated while the machine was busy", each time

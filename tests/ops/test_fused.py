@@ -1,6 +1,6 @@
 """The fused sparse-block convolution (detector.ops.fused): its Triton kernel (detector.ops.triton_blocks, run on
 the CPU under TRITON_INTERPRET=1) against the composition of the compiled gather/scatter and F.conv2d (the CPU
-path, itself checked against the exact sparse unit in tests/test_nn_capacity.py).
+path, itself checked against the exact sparse unit in tests/nn/test_capacity.py).
 
 Cases: NCHW and channels-last maps, float32 (rtol = atol = 1e-5: only the summation order differs) and bfloat16
 (rtol = 3e-2, atol = 0.1: outputs are sums of ~45 products of O(1) values, up to ~15 in size, where a bfloat16
