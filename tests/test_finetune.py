@@ -158,10 +158,13 @@ def test_finetune_cv_end_to_end_on_a_tiny_root(tmp_path, tiny_root, car_ckpt):
     result = json.loads(out.read_text())
     assert [len(f["held_out"]) for f in result["folds"]] == [3, 3]
     for f in result["folds"]:
-        assert set(f["before"]) == set(f["after"]) == {"bev", "3d"} and f["wall_s"] > 0
+        assert set(f["before"]) == set(f["after"]) == set(f["fitted"]) == {"bev", "3d"} and f["wall_s"] > 0
+        assert (tmp_path / "work" / f"fold{f['fold']}" / "fitted" / "label_2").is_dir()  # scored on its own frames
+        fitted_ids = sorted(p.stem for p in (tmp_path / "work" / f"fold{f['fold']}" / "fitted" / "label_2").glob("*"))
+        assert fitted_ids == sorted(f["train"])
         ft = load_checkpoint(f["checkpoint"])
         assert ft["hyper_parameters"]["config"]["init_from"] == str(car_ckpt)
-    assert set(result["pooled"]["after"]) == {"bev", "3d"}
+    assert set(result["pooled"]["after"]) == set(result["pooled"]["fitted"]) == {"bev", "3d"}
     assert result["meta"]["cpu_model"] and "MALLOC_MMAP_MAX_" in result["meta"]["env"]
     md = out.with_suffix(".md").read_text()
     assert "| mean |" in md and "pooled" in md
