@@ -19,8 +19,8 @@ Inference only: batch norm must use running statistics (eval mode); a training-m
 
 Capacity overflow (a list shorter than the active blocks, e.g. a graph captured for a smaller bucket) is never
 silent: every list's ``overflow`` flag is OR-ed on the device into the returned flag, and :func:`run_checked`
-reruns such a batch at the buckets of its true counts (or dense where a stage's count fills its grid), with a
-warning in the log.
+reruns such a batch at the buckets of its true counts (the last bucket is the whole grid), with a warning in the
+log. The whole detector (backbone, neck and head) runs on the same functions: ``BevDetector.capacity_forward``.
 """
 
 from __future__ import annotations
