@@ -165,6 +165,23 @@ def test_finetune_cv_end_to_end_on_a_tiny_root(tmp_path, tiny_root, car_ckpt):
         ft = load_checkpoint(f["checkpoint"])
         assert ft["hyper_parameters"]["config"]["init_from"] == str(car_ckpt)
     assert set(result["pooled"]["after"]) == set(result["pooled"]["fitted"]) == {"bev", "3d"}
+    assert result["pooled"]["after"]["bev"] <= result["pooled"]["ceiling"]["bev"] <= 100  # nothing beats the truth
     assert result["meta"]["cpu_model"] and "MALLOC_MMAP_MAX_" in result["meta"]["env"]
     md = out.with_suffix(".md").read_text()
     assert "| mean |" in md and "pooled" in md
+
+
+@pytest.mark.parametrize("cars", [1, 4, 20, 40, 41])
+def test_the_ceiling_of_a_few_frames_follows_kittis_r40_rule(tmp_path, cars):
+    """A perfect detector on N moderate Cars: KITTI's R40 samples precision at recall 1/40 ... 40/40 and takes at most
+    one score threshold per true positive, so the N thresholds cover precision[0 .. N-1] and the AP, the mean of
+    precision[1 .. 40], is min(N - 1, 40) / 40 (N = 4: 3 / 40 = 7.5; N = 41 and beyond: 100)."""
+    from detector.bench.finetune_cv import pooled
+
+    d = tmp_path / "eval"
+    (d / "label_2").mkdir(parents=True)
+    # moderate Cars: 40 px tall, unoccluded, untruncated, spread along the road so that no two overlap
+    lines = [f"Car 0.00 0 0.00 {100 + 20 * i % 1000:.2f} 150.00 {140 + 20 * i % 1000:.2f} 190.00 1.50 1.60 3.90 "
+             f"{-8 + 4 * (i % 5):.2f} 1.70 {8 + 6 * (i // 5):.2f} 0.00" for i in range(cars)]
+    (d / "label_2" / "000000.txt").write_text("\n".join(lines) + "\n")
+    assert pooled([d], perfect=True)["bev"] == pytest.approx(100 * min(cars - 1, 40) / 40)
