@@ -237,9 +237,12 @@ def main(argv=None) -> int:
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             s = r["shares"]
-            shares = " | ".join(f"{100 * s.get(k, 0):.0f}%" for k in ("voxelize", "mask", "backbone", "head", "decode"))
+            cells = [f"{100 * s.get(k, 0):.0f}%" for k in ("voxelize", "mask", "backbone", "head", "decode")]
+            if "network" in s:  # the capacity path (GPU): backbone, neck and head run as one captured graph
+                cells[2:4] = [f"{100 * s['network']:.0f}% (with the head)", "-"]
+            shares = " | ".join(cells)
             tiles = " / ".join(f"{a:.2f}" for a in r["tiles"].values())
-            stages = " / ".join(f"{v:.1f}" for v in r["stage_ms"].values())
+            stages = " / ".join(f"{v:.1f}" for v in r["stage_ms"].values()) or "one graph"
             md.append(f"| {r['mask']} | {r['batch']} | {r['ms_per_frame']:.1f} | {r['sparsity']:.3f} | "
                       f"{r['speedup_vs_dense']:.2f}x | {r['mac_ratio']:.2f} | {r['mac_bound']:.2f} "
                       f"({speedup(r['mac_bound'])}) | {shares} | {stages} | {tiles} |")
