@@ -210,7 +210,7 @@ class DetectorModule(L.LightningModule):
         B = batch.size
         self.log("val/mask_sparsity", out.sparsity, batch_size=B, sync_dist=True)
         self._log_mask_quality(out, batch)
-        for k in ("backbone", "voxelize", "mask", "head", "decode"):
+        for k in ("backbone", "voxelize", "mask", "head", "decode", "network"):  # network: the capacity path's graph
             if k in out.times:
                 self.log(f"val/time_{k}_ms_per_frame", 1000 * out.times[k] / B, batch_size=B, sync_dist=True)
         records = frame_records(batch, dets, self.classes, self.model.grid)
