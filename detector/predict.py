@@ -64,13 +64,14 @@ class Predictor:
         return cls(model=model, decode=decode_kwargs(cfg.model), mask_provider=provider, device=device)
 
     @classmethod
-    def from_checkpoint(cls, ckpt_path: str | Path, mask: str | None = None, device: str | None = None
-                        ) -> tuple[Predictor, Any]:
+    def from_checkpoint(cls, ckpt_path: str | Path, mask: str | None = None, device: str | None = None,
+                        inference_path: str | None = None) -> tuple[Predictor, Any]:
         """``(predictor, config)`` of a checkpoint (weights_only); ``mask``: a mask config name in place of the
-        checkpoint's; ``device`` None: CUDA where available, else the CPU."""
+        checkpoint's; ``device`` None: CUDA where available, else the CPU; ``inference_path``: in place of the
+        checkpoint's ``model.inference_path``."""
         from detector.tasks import load_detector
 
-        model, cfg = load_detector(ckpt_path, mask)
+        model, cfg = load_detector(ckpt_path, mask, inference_path)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         return cls.from_config(model, cfg, device), cfg
 

@@ -374,18 +374,21 @@ def _trained_net(net_cfg: DictConfig, saved_net: dict, ckpt_path: str | Path) ->
     return net
 
 
-def load_detector(ckpt_path: str | Path, mask_override: str | DictConfig | None = None
-                  ) -> tuple[BevDetector, DictConfig]:
+def load_detector(ckpt_path: str | Path, mask_override: str | DictConfig | None = None,
+                  inference_path: str | None = None) -> tuple[BevDetector, DictConfig]:
     """Rebuild the detector from a checkpoint's saved config and load its weights (weights_only).
 
     ``mask_override``: a mask config (``eval.yaml``'s ``mask=...`` group) or its name; None keeps the
     checkpoint's. A mask net the checkpoint did not train (e.g. ``mask=predicted`` on a ``road_map``
-    checkpoint) is an error; a mask net it trained but the override does not use is dropped."""
+    checkpoint) is an error; a mask net it trained but the override does not use is dropped.
+    ``inference_path``: ``model.inference_path`` in place of the checkpoint's (the weights run either way)."""
     ckpt = load_checkpoint(ckpt_path)
     saved = ckpt.get("hyper_parameters", {}).get("config")
     if not saved:
         raise ConfigError(f"{ckpt_path}: checkpoint has no saved config (was it written by scripts/train.py?)")
     cfg = OmegaConf.create(current_layout(saved))
+    if inference_path is not None:
+        cfg.model.inference_path = inference_path
     if isinstance(mask_override, DictConfig):
         cfg.mask = mask_override
     elif mask_override is not None:
@@ -411,13 +414,15 @@ def load_detector(ckpt_path: str | Path, mask_override: str | DictConfig | None 
 @torch.no_grad()
 def evaluate_checkpoint(ckpt_path: str | Path, data_cfg: DictConfig, out_dir: str | Path, split: str,
                         mask_override: str | DictConfig | None = None, write_results: bool = True,
-                        device: str | None = None, backend: str = "eager") -> dict[str, Any]:
+                        device: str | None = None, backend: str = "eager", inference_path: str | None = None
+                        ) -> dict[str, Any]:
     """Run a checkpoint over ``split`` of ``data_cfg.root`` with the checkpoint's decode settings (those
     validation used); print the KITTI table; write metrics.json and (``write_results``) the KITTI result
     files ``out_dir/data`` and the ground truth they were scored against ``out_dir/label_2`` (both filtered
     by :func:`detector.module.frame_records`, the translation validation uses): ``scripts/kitti_eval.py``
-    on the two folders prints the same table. Returns the metric JSON."""
-    model, cfg = load_detector(ckpt_path, mask_override)
+    on the two folders prints the same table. ``inference_path``: :func:`load_detector`'s. Returns the metric
+    JSON."""
+    model, cfg = load_detector(ckpt_path, mask_override, inference_path)
     device = device or ("cuda" if torch.cuda.is_available() and backend == "eager" else "cpu")
     model.to(device).eval()
     forward = model  # backend export / onnx: the exported network (detector/export.py), decoded the same way
@@ -502,4 +507,5 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     open_root(cfg.data.root, cfg.data.get("layout", "kitti"))  # clear error when the root is missing
     # ``mask=<name>`` on the command line selects eval.yaml's optional mask group (None: the checkpoint's).
     return evaluate_checkpoint(cfg.ckpt_path, cfg.data, out_dir, split=cfg.split, mask_override=cfg.get("mask"),
-                               write_results=cfg.write_results, backend=cfg.get("backend", "eager"))
+                               write_results=cfg.write_results, backend=cfg.get("backend", "eager"),
+                               inference_path=cfg.get("inference_path"))

@@ -3,7 +3,7 @@
     detector-predict ckpt_path=PATH input=FILE|DIR [out=DIR] [format=auto|bin|npy|pcd|ply]
                      [calib=FILE|DIR] [image=FILE|DIR] [mask=predicted|ground|none] [skip_bad=false]
                      [drop_nonfinite=false] [intensity_scale=1.0] [fov_only=true] [picture=bev|3d|both|none]
-                     [draw_threshold=0.3] [device=auto|cpu|cuda]
+                     [draw_threshold=0.3] [device=auto|cpu|cuda] [inference_path=auto|exact|capacity]
     (or: python scripts/predict.py ...)
 
 input: a point cloud (KITTI .bin float32 x, y, z, reflectance; .npy [N, 3] or [N, 4]; .pcd or .ply) or a folder of
@@ -22,6 +22,8 @@ calib: a KITTI calibration file for every frame, or a folder of <id>.txt. With i
 camera's view (fov_only, as training and evaluation do) and the KITTI files are written: for a KITTI frame they
 equal the ones scripts/evaluate.py writes. image: the left camera's PNG (or a folder of <id>.png): its size (default
 1242 x 375) bounds the camera's view and the 2D boxes, as evaluation reads it from image_2/.
+inference_path: the sparse path in place of the checkpoint's model.inference_path (auto: the capacity path on a GPU,
+the exact one on the CPU; both compute the same values on the active tiles, docs/gpu.md).
 mask: a computation mask in place of the checkpoint's (as scripts/evaluate.py mask=...); a road map needs the
 simulator's maps, which a point cloud has not: use ground, none, or predicted where the checkpoint trained a mask net.
 
@@ -56,7 +58,7 @@ USAGE = __doc__
 DEFAULTS: dict[str, Any] = {
     "ckpt_path": None, "input": None, "out": None, "format": "auto", "calib": None, "image": None, "mask": None,
     "skip_bad": False, "drop_nonfinite": False, "intensity_scale": 1.0, "fov_only": True, "picture": "bev",
-    "draw_threshold": 0.3, "device": "auto",
+    "draw_threshold": 0.3, "device": "auto", "inference_path": None,
 }
 PICTURES = ("bev", "3d", "both", "none")
 
@@ -244,7 +246,7 @@ def predict(args: dict[str, Any]) -> dict[str, Any]:
     device = None if args["device"] == "auto" else args["device"]
     if device is not None and device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"device={device}: no CUDA device here (torch {torch.__version__}): device=cpu or auto")
-    predictor, _ = Predictor.from_checkpoint(args["ckpt_path"], args["mask"], device)
+    predictor, _ = Predictor.from_checkpoint(args["ckpt_path"], args["mask"], device, args["inference_path"])
     if isinstance(predictor.mask_provider, RoadMapMask):
         raise ConfigError(f"mask: {args['ckpt_path']} runs with mask=road_map, which needs the simulator's road maps; "
                           "a point cloud has none: give mask=ground, mask=none or (if it trained a mask net) "
