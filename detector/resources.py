@@ -38,3 +38,11 @@ def cache_dir() -> Path:
     import os
 
     return Path(os.environ.get("DETECTOR_CACHE_DIR", Path.home() / ".cache" / "detector"))
+
+
+def outputs_dir() -> Path:
+    """Where the benchmarks write their runs: ``$PROJECT_ROOT/outputs`` (the configs' ``paths.log_dir``) where
+    ``PROJECT_ROOT`` is set, else the checkout's ``outputs/``."""
+    import os
+
+    return Path(os.environ.get("PROJECT_ROOT", _SOURCE_ROOT)) / "outputs"

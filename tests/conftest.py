@@ -29,6 +29,19 @@ def make_calib(rot_deg: float = 0.0) -> Calibration:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _own_project_root(tmp_path_factory):
+    """``paths.root_dir`` (``PROJECT_ROOT``) is a folder of this test session (subprocesses inherit it): the runs,
+    evaluations and the GT-sampling cache that tests leave under ``outputs/`` go there, never into the checkout."""
+    before = os.environ.get("PROJECT_ROOT")
+    os.environ["PROJECT_ROOT"] = str(tmp_path_factory.mktemp("project_root"))
+    yield
+    if before is None:
+        os.environ.pop("PROJECT_ROOT", None)
+    else:
+        os.environ["PROJECT_ROOT"] = before
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _own_plan_cost_cache(tmp_path_factory):
     """The plan's cost model is calibrated into a folder of this test session (subprocesses inherit it), never
     the user's ``~/.cache/detector``: a test at another thread count overwrote the user's calibration there, and

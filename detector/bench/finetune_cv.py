@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from detector.cli import parse_args
+from detector.resources import outputs_dir
 
 REPO = Path(__file__).resolve().parents[2]
 # The goal: real-frame Car BEV AP R40 moderate lifted to this on held-out frames, by a recipe a user runs in
@@ -205,7 +206,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"error: real={args['real']}: no KITTI frames there (expected training/velodyne, label_2, "
                          "calib)")
     folds = make_folds(labeled_frames(real), args["folds"])
-    work = Path(args["work"] or REPO / "outputs" / "finetune_cv" / time.strftime("%Y-%m-%d_%H-%M-%S")).resolve()
+    work = Path(args["work"] or outputs_dir() / "finetune_cv" / time.strftime("%Y-%m-%d_%H-%M-%S")).resolve()
     if work.exists() and any(work.iterdir()):
         raise SystemExit(f"error: work={work}: not empty (one folder per measurement)")
 

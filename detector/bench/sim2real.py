@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from detector.cli import parse_args
+from detector.resources import outputs_dir
 
 REPO = Path(__file__).resolve().parents[2]
 BANDS = (("0-20", 0.0, 20.0), ("20-40", 20.0, 40.0), ("40+", 40.0, np.inf), ("within 40", 0.0, 40.0))
@@ -310,7 +311,7 @@ def main(argv=None) -> int:
     from detector.resources import config_dir
     from detector.tasks import evaluate_checkpoint
 
-    run_dir = REPO / "outputs" / "bench_sim2real" / time.strftime("%Y-%m-%d_%H-%M-%S")
+    run_dir = outputs_dir() / "bench_sim2real" / time.strftime("%Y-%m-%d_%H-%M-%S")
     meta: dict = {"load_avg_before": [round(v, 2) for v in os.getloadavg()],
                   "machine": f"{platform.machine()}, {cpu_model()}, {os.cpu_count()} CPUs",
                   "threads": torch.get_num_threads(), "torch": torch.__version__,
