@@ -99,6 +99,7 @@ def bench_units(args: dict, dev: torch.device, dtype: torch.dtype, rows: list) -
     from detector.nn.cost import dense_macs, sparse_macs
     from detector.nn.graphs import DenseRunner, capture
     from detector.nn.resnet import SparseResidualUnit, SparseStage
+    from detector.ops.capacity import bucket_for
 
     tiny = args["tiny"] == "true"
     H, W, C = (40, 36, 16) if tiny else (400, 352, 96)
@@ -127,7 +128,7 @@ def bench_units(args: dict, dev: torch.device, dtype: torch.dtype, rows: list) -
             with torch.no_grad():
                 blocks = unit.active_blocks(mask)
                 k = blocks.count
-                modes, caps = [tile], [(cp.bucket_for(k, b * blocks.block.num_blocks), 0)]
+                modes, caps = [tile], [(bucket_for(k, b * blocks.block.num_blocks), 0)]
                 run_cap = lambda: cp.forward_capacity(net, x, mask, modes, caps)  # noqa: E731
                 graph = capture(lambda a, m: cp.forward_capacity(net, a, m, modes, caps), x, mask)
                 ms = {"sparse_exact": timed(lambda: unit(x, blocks=ActiveBlocks(blocks.indices, blocks.block)),
