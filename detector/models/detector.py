@@ -41,10 +41,10 @@ from detector.models.mask_net import MaskNet
 from detector.models.mask_quality import class_boxes
 from detector.models.mask_schedule import MaskSchedule
 from detector.models.targets import BoxCoder
-from detector.nn.capacity import StageCapacity, capacities, chain_list, forward_capacity, rerun_warning, run_chain
+from detector.nn.capacity import StageCapacity, chain_list, decide_lists, forward_capacity, rerun_warning, run_chain
 from detector.nn.chain import SparseConvChain
 from detector.nn.graphs import GraphCache
-from detector.nn.plan import AUTO, DENSE, Plan, StageInput, check_setting, measure, settle
+from detector.nn.plan import AUTO, DENSE, Plan, StageInput, check_setting, measure
 from detector.nn.resnet import SparseResNet, downsample_mask
 
 INFERENCE_PATHS = ("auto", "exact", "capacity")
@@ -326,12 +326,8 @@ class BevDetector(nn.Module):
         """The modes (the plan's, priced for the capacity path, where a setting is ``auto``; ``modes`` given:
         those) and the list capacities of every sparse stage, from ONE host read of all the counts."""
         settings = self.settings() if modes is None else list(modes)
-        inputs = settle(self.plan_inputs(x_shape, mask, level_masks, settings, path="capacity"))  # the one read
-        plan = None
-        if AUTO in settings:
-            plan = self.backbone.planner.decide(inputs, mask.device, mask.dtype, False, "capacity")
-            settings = list(plan.choices)
-        return settings, capacities(inputs, settings), plan
+        inputs = self.plan_inputs(x_shape, mask, level_masks, settings, path="capacity")
+        return decide_lists(inputs, settings, self.backbone.planner, mask.device, mask.dtype)
 
     def capacity_maps(self, bev: torch.Tensor, mask: torch.Tensor, level_masks: Sequence[torch.Tensor],
                       modes: Sequence[int | str], caps: Sequence[StageCapacity | None]

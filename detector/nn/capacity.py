@@ -36,10 +36,10 @@ from detector.ops.fused import conv_blocks, conv_scatter
 
 from .chain import SparseConvChain, zeros_in_layout
 from .norm import running_scale_shift, uses_batch_stats
-from .plan import AUTO, DENSE, StageInput, list_rows, settle
+from .plan import AUTO, DENSE, Plan, StageInput, list_rows, settle
 
 __all__ = ["chain_capacity", "stage_capacity", "plan_capacities", "forward_capacity", "run_checked",
-           "StageCapacity", "capacities", "chain_list", "run_chain", "rerun_warning"]
+           "StageCapacity", "capacities", "decide_lists", "chain_list", "run_chain", "rerun_warning"]
 
 log = logging.getLogger(__name__)
 
@@ -181,18 +181,27 @@ def capacities(inputs: Sequence[StageInput], modes: Sequence[int | str], smalles
     return out
 
 
+def decide_lists(inputs: Sequence[StageInput], settings: Sequence[int | str], planner, device: torch.device,  # noqa: ANN001
+                 dtype: torch.dtype, smallest: int = 8
+                 ) -> tuple[list[int | str], list[StageCapacity | None], Plan | None]:
+    """The capacity path's plan of a batch from its plan ``inputs`` (counts unread): ONE host read of all the
+    counts, the modes (``planner``'s choice, priced for this path, where a setting is 'auto'; else the settings)
+    and the list capacities of every stage."""
+    inputs = settle(inputs)  # the one read
+    plan = planner.decide(inputs, device, dtype, False, "capacity") if AUTO in settings else None
+    modes = list(plan.choices) if plan is not None else list(settings)
+    return modes, capacities(inputs, modes, smallest), plan
+
+
 def plan_capacities(net: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor,
                     modes: Sequence[int | str] | None = None, smallest: int = 8
                     ) -> tuple[list[int | str], list[StageCapacity | None]]:
-    """Each stage's mode (the plan's choice for 'auto' settings, priced for this path) and the smallest buckets
-    that hold its active blocks, from ONE host read of all the counts (:meth:`SparseResNet.plan_inputs`,
-    settled)."""
+    """Each stage's mode and the smallest buckets that hold its active blocks (:func:`decide_lists` on
+    :meth:`SparseResNet.plan_inputs`)."""
     settings = _settings(net, modes)
-    inputs = settle(net.plan_inputs(tuple(x.shape), mask.to(x.dtype), settings, path="capacity"))  # the one read
-    chosen = settings
-    if AUTO in settings:
-        chosen = list(net.planner.decide(inputs, x.device, x.dtype, False, "capacity").choices)
-    return list(chosen), capacities(inputs, chosen, smallest)
+    inputs = net.plan_inputs(tuple(x.shape), mask.to(x.dtype), settings, path="capacity")
+    chosen, caps, _ = decide_lists(inputs, settings, net.planner, x.device, x.dtype, smallest)
+    return chosen, caps
 
 
 def rerun_warning(counts: list, caps: Sequence, new_caps: Sequence) -> None:

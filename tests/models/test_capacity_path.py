@@ -9,18 +9,18 @@ import logging
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from detector.errors import ConfigError
 from detector.models import detector as det
 from detector.models.detector import BevDetector, masks_at_strides
 from detector.models.targets import BoxCoder
+from detector.nn import capacity
 from detector.nn.cost import CostModel
 from detector.nn.plan import Planner
 from detector.nn.resnet import SparseResNet
 from tests.models.test_detector import GRID, _batch
+from tests.nn.test_capacity import SYNCS, _Calls
 
-SYNCS = ("aten.nonzero", "aten.item", "aten._local_scalar_dense")
 # a hand-set cost model (no calibration in the tests): sparse cheap per block, so 'auto' picks tiles on sparse
 # masks; the capacity path's fixed cost above the exact one's
 COST = CostModel(dense_mac=1e-9, block_mac=((8, 5e-10), (16, 5e-10), (32, 5e-10)), move=1e-10, pass_=1e-10,
@@ -93,16 +93,6 @@ def test_equals_the_exact_path_preactivation():
     torch.testing.assert_close(cap.heatmap, exact.heatmap, rtol=1e-4, atol=1e-4)
 
 
-class _Calls(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def test_no_host_call_inside_the_network():
     """Backbone, neck and head on the lists: no nonzero / item / _local_scalar_dense once the plan is read."""
     model = _model("auto", "auto")
@@ -146,7 +136,7 @@ def test_overflow_reruns_and_loses_no_block(monkeypatch, caplog):
         model.inference_path = "exact"
         want = model(batch)
         model.inference_path = "capacity"
-    real = det.capacities
+    real = capacity.capacities
     calls = []
 
     def short(inputs, modes, smallest=8):  # the first plan's lists too short: every stage overflows
@@ -154,7 +144,7 @@ def test_overflow_reruns_and_loses_no_block(monkeypatch, caplog):
         calls.append(caps)
         return [None if c is None else (1, 1 if c[1] else 0) for c in caps] if len(calls) == 1 else caps
 
-    monkeypatch.setattr(det, "capacities", short)
+    monkeypatch.setattr(capacity, "capacities", short)
     with caplog.at_level(logging.WARNING, logger="detector.nn.capacity"), torch.no_grad():
         got = model(batch)
     assert "capacity overflow" in caplog.text and len(calls) == 2
