@@ -28,31 +28,30 @@ def make_calib(rot_deg: float = 0.0) -> Calibration:
                        Tr_imu_to_velo=np.hstack([np.eye(3), np.zeros((3, 1))]))
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _own_project_root(tmp_path_factory):
-    """``paths.root_dir`` (``PROJECT_ROOT``) is a folder of this test session (subprocesses inherit it): the runs,
-    evaluations and the GT-sampling cache that tests leave under ``outputs/`` go there, never into the checkout."""
-    before = os.environ.get("PROJECT_ROOT")
-    os.environ["PROJECT_ROOT"] = str(tmp_path_factory.mktemp("project_root"))
+def _session_env(name: str, folder: Path):
+    """``os.environ[name] = folder`` for the session (subprocesses inherit it), the previous value restored after."""
+    before = os.environ.get(name)
+    os.environ[name] = str(folder)
     yield
     if before is None:
-        os.environ.pop("PROJECT_ROOT", None)
+        os.environ.pop(name, None)
     else:
-        os.environ["PROJECT_ROOT"] = before
+        os.environ[name] = before
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _own_project_root(tmp_path_factory):
+    """``paths.root_dir`` (``PROJECT_ROOT``) is a folder of this test session: the runs, evaluations and the
+    GT-sampling cache that tests leave under ``outputs/`` go there, never into the checkout."""
+    yield from _session_env("PROJECT_ROOT", tmp_path_factory.mktemp("project_root"))
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _own_plan_cost_cache(tmp_path_factory):
-    """The plan's cost model is calibrated into a folder of this test session (subprocesses inherit it), never
-    the user's ``~/.cache/detector``: a test at another thread count overwrote the user's calibration there, and
-    the next ``make train`` recalibrated - uncached on a busy machine - and planned (and trained) differently."""
-    before = os.environ.get("DETECTOR_CACHE_DIR")
-    os.environ["DETECTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("detector_cache"))
-    yield
-    if before is None:
-        os.environ.pop("DETECTOR_CACHE_DIR", None)
-    else:
-        os.environ["DETECTOR_CACHE_DIR"] = before
+    """The plan's cost model is calibrated into a folder of this test session, never the user's
+    ``~/.cache/detector``: a test at another thread count overwrote the user's calibration there, and the next
+    ``make train`` recalibrated - uncached on a busy machine - and planned (and trained) differently."""
+    yield from _session_env("DETECTOR_CACHE_DIR", tmp_path_factory.mktemp("detector_cache"))
 
 
 @pytest.fixture

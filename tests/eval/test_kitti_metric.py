@@ -10,6 +10,7 @@ import pytest
 from detector.data.kitti_labels import KittiLabels
 from detector.eval.kitti_metric import EvalTimings, evaluate
 from detector.eval.protocol import KITTI_LEVELS, N_SAMPLE_PTS, distance_levels, score_thresholds
+from detector.eval.reference import _thresholds as thresholds_literal  # the rule as a plain loop
 from detector.eval.reference import reference_curve
 from detector.eval.synthetic import synthetic_set
 
@@ -377,20 +378,6 @@ def test_bad_input_is_a_clear_error():
 # --------------------------------------------------------------------------------------------------
 # Score thresholds and the literal reference
 # --------------------------------------------------------------------------------------------------
-def _thresholds_literal(scores, n_gt):
-    """The recall-sampling rule written as the plain loop the protocol describes."""
-    v = sorted(scores, reverse=True)
-    out, current = [], 0.0
-    for i in range(len(v)):
-        left = (i + 1) / n_gt
-        right = (i + 2) / n_gt if i < len(v) - 1 else left
-        if (right - current) < (current - left) and i < len(v) - 1:
-            continue
-        out.append(v[i])
-        current += 1.0 / (N_SAMPLE_PTS - 1.0)
-    return out
-
-
 @pytest.mark.parametrize("seed", range(6))
 def test_score_thresholds_match_the_literal_rule(seed):
     rng = np.random.default_rng(seed)
@@ -398,7 +385,7 @@ def test_score_thresholds_match_the_literal_rule(seed):
     n_tp = int(rng.integers(0, n_gt + 1))
     scores = np.round(rng.random(n_tp), 2)  # with ties
     got = score_thresholds(scores, n_gt)
-    assert got.tolist() == _thresholds_literal(scores.tolist(), n_gt)
+    assert got.tolist() == thresholds_literal(scores.tolist(), n_gt)
     assert len(got) <= N_SAMPLE_PTS
 
 
