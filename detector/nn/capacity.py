@@ -1,4 +1,5 @@
-"""The sparse network on block lists of a bounded capacity: inference without a host sync inside a stage.
+"""The sparse network on block lists of a bounded capacity: no host sync inside a stage, in inference and in
+training.
 
 The exact path (:meth:`SparseConvChain.forward_sparse`) sizes everything by ``K``, the active blocks, which on a
 GPU is read by the host (``reduce_mask``'s ``nonzero``, the level masks' spans and counts): a sync per stage
@@ -15,7 +16,10 @@ into the first convolution, batch norm folded, the residual and the scatter fuse
 their composition of the compiled kernels and oneDNN's convolutions). Values on active tiles equal the exact
 path's (and so the dense twin's); inactive tiles are the input (identity units) or zero.
 
-Inference only: batch norm must use running statistics (eval mode); a training-mode chain raises.
+Training: a batch norm in training mode is not folded; its convolution runs unfused and the BN takes the batch
+moments of the active rows' tile regions (padding rows left out, the count a device tensor: no read), as the exact
+path's region statistics do; the backward is autograd's through the ops. Synchronized BN across processes (DDP)
+needs the exact path.
 
 Capacity overflow (a list shorter than the active blocks, e.g. a graph captured for a smaller bucket) is never
 silent: every list's ``overflow`` flag is OR-ed on the device into the returned flag, and :func:`run_checked`
@@ -31,11 +35,13 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from detector.ops.capacity import BlockList, reduce_mask_capacity
+from detector.ops import sparse_gather
+from detector.ops.capacity import BlockList, level_valid, reduce_mask_capacity, scatter_padded
 from detector.ops.fused import conv_blocks, conv_scatter
 
 from .chain import SparseConvChain, zeros_in_layout
-from .norm import running_scale_shift, uses_batch_stats
+from .geometry import ChainGeometry, Level
+from .norm import list_batch_norm, needs_sync, running_scale_shift, update_running_stats, uses_batch_stats
 from .plan import AUTO, DENSE, Plan, StageInput, list_rows, settle
 
 __all__ = ["chain_capacity", "stage_capacity", "plan_capacities", "forward_capacity", "run_checked",
@@ -46,57 +52,142 @@ log = logging.getLogger(__name__)
 StageCapacity = tuple[int, int]  # (capacity of the first unit's list, of the other units' list)
 
 
-def _folded(chain: SparseConvChain, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Weight and bias of conv ``i`` with the BN on its output folded in (none on a pre-activation unit's last)."""
-    w = chain.convs[i].weight
+class _ListNorm:
+    """The BN slots of ``chain`` on ``blist``'s blocks: folded into the convolutions (running statistics), or -
+    a slot in training mode - applied with the batch moments of the active rows' tile regions
+    (:func:`~detector.nn.norm.list_batch_norm`: padding rows excluded, no host read), its running statistics
+    updated as the exact path updates them."""
+
+    def __init__(self, chain: SparseConvChain, blist: BlockList, geo: ChainGeometry) -> None:
+        self.chain, self.blist, self.geo = chain, blist, geo
+        self.slots = chain.slots
+        for j, bn in enumerate(self.slots):
+            if needs_sync(bn):
+                raise ValueError(f"{chain.name}.bn[{j}]: synchronized batch norm across processes runs on the exact "
+                                 "path (model.train_path=exact)")
+
+    def batch(self, j: int | None) -> bool:
+        return j is not None and uses_batch_stats(self.slots[j])
+
+    def folded(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Weight and bias of conv ``i`` with its output's BN (running statistics) folded in (none on a
+        pre-activation unit's last conv)."""
+        w, j = self.chain.convs[i].weight, _out_slot(self.chain, i)
+        if j is None:
+            return w, None
+        s, t = running_scale_shift(self.slots[j])
+        return w * s.view(-1, 1, 1, 1), t
+
+    def __call__(self, j: int, z: torch.Tensor) -> torch.Tensor:
+        """Slot ``j`` (training mode) on the blocks ``z`` of its level."""
+        lv = self.geo.levels[self.chain.slot_levels[j]]
+        y, m = list_batch_norm(self.slots[j], z, region_weights(self.blist, lv))
+        update_running_stats(self.slots[j], m)
+        return y
+
+
+def _out_slot(chain: SparseConvChain, i: int) -> int | None:
+    """The BN slot that normalizes conv ``i``'s output (None: a pre-activation unit's last conv)."""
     j = i + 1 if chain.preact else i
-    if j >= len(chain.bns):
-        return w, None
-    s, t = running_scale_shift(chain.bns[j])
-    return w * s.view(-1, 1, 1, 1), t
+    return j if j < len(chain.bns) else None
+
+
+def region_weights(blist: BlockList, level: Level) -> torch.Tensor:
+    """bool ``[capacity, 1, e_h, e_w]``: the pixels of ``level``'s blocks that its batch statistics count - the
+    active rows' tile regions (block pixels ``offset ... offset + region``), in-map pixels only."""
+    (eh, ew), (ph, pw), (rh, rw) = level.extent, level.offset, level.region
+    dev = blist.indices.device
+    ry = (torch.arange(eh, device=dev) >= ph) & (torch.arange(eh, device=dev) < ph + rh)
+    rx = (torch.arange(ew, device=dev) >= pw) & (torch.arange(ew, device=dev) < pw + rw)
+    inside = level_valid(blist.indices, level.region, level.offset, level.extent, level.map_size)
+    return inside & (ry[:, None] & rx[None, :]) & blist.valid.view(-1, 1, 1, 1)
+
+
+def _relu_zero(a: torch.Tensor, blist: BlockList, level: Level) -> torch.Tensor:
+    """ReLU, block pixels outside ``level``'s map zeroed (the dense twin's padding for the next convolution)."""
+    inside = level_valid(blist.indices, level.region, level.offset, level.extent, level.map_size)
+    return torch.where(inside, torch.relu(a), 0)
 
 
 def chain_capacity(chain: SparseConvChain, x: torch.Tensor, blist: BlockList, inplace: bool = False,
                    tile: int | None = None) -> torch.Tensor:
     """The chain on ``blist`` (module docstring) with output tiles of ``tile`` (None: the chain's block size);
-    ``inplace``: an identity unit writes into ``x`` itself."""
-    if any(uses_batch_stats(bn) for bn in chain.slots):
-        raise ValueError(f"{chain.name}: the capacity path is for inference (batch norm in eval mode)")
+    ``inplace``: an identity unit writes into ``x`` itself (not under autograd).
+
+    Running statistics: each conv, its BN folded in, is one fused op. Training-mode batch norm: the convolution
+    unfused, the BN on its blocks with the list's batch moments (:class:`_ListNorm`), then ReLU and the level's
+    zeroing; a post-activation unit's last BN before the shortcut's add and the scatter."""
     geo = chain.geometry(int(x.shape[2]), int(x.shape[3]), tile)
     if blist.block != geo.block:
         raise ValueError(f"{chain.name}: the block list was made for another geometry ({blist.block}); "
                          f"this unit needs {geo.block}")
+    norm = _ListNorm(chain, blist, geo)
     lv, specs, L, S = geo.levels, chain.specs, len(chain.convs), chain.stride
     T = geo.tile
     origin0 = (lv[0].region, lv[0].offset)
-    pre = running_scale_shift(chain.bns[0]) if chain.preact else None
-    a = x
+    grad = torch.is_grad_enabled()
+    src, origin, pre, a0 = x, origin0, None, None  # the first conv's source: the map (gather fused) or blocks
+    if chain.preact and norm.batch(0):
+        a0 = _relu_zero(norm(0, sparse_gather(x, blist.indices, geo.block)), blist, lv[0])
+        src, origin = a0, None
+    elif chain.preact:
+        pre = running_scale_shift(chain.bns[0])
+
+    def conv(i: int, a: torch.Tensor, **kw) -> torch.Tensor:  # noqa: ANN003
+        first = i == 0 and origin is not None
+        return conv_blocks(a, blist, *kw.pop("wb"), stride=specs[i].stride, origin=origin if first else None,
+                           extent=lv[0].extent if first else None, pre=pre if i == 0 else None, **kw)
+
+    a = src
     for i in range(L - 1):
-        w, b = _folded(chain, i)
-        a = conv_blocks(a, blist, w, b, stride=specs[i].stride, origin=origin0 if i == 0 else None,
-                        extent=lv[0].extent if i == 0 else None, pre=pre if i == 0 else None, relu=True,
-                        zero=(lv[i + 1].region, lv[i + 1].offset, lv[i + 1].map_size))
-    if L == 1:  # the source blocks themselves (a 1-conv chain: no fused first convolution to gather them)
+        j = _out_slot(chain, i)
+        if norm.batch(j):
+            a = _relu_zero(norm(j, conv(i, a, wb=(chain.convs[i].weight, None))), blist, lv[i + 1])
+        else:
+            a = conv(i, a, wb=norm.folded(i), relu=True,
+                     zero=(lv[i + 1].region, lv[i + 1].offset, lv[i + 1].map_size))
+    if L == 1 and origin is not None and not norm.batch(_out_slot(chain, 0)):
+        # the source blocks themselves (a 1-conv chain: no fused first convolution to gather them)
         c = a.shape[1]
         eye = torch.eye(c, dtype=a.dtype, device=a.device).view(c, c, 1, 1)
         a = conv_blocks(a, blist, eye, None, origin=origin0, extent=lv[0].extent, pre=pre,
                         zero=None if pre is None else (lv[0].region, lv[0].offset, lv[0].map_size))
-    w, b = _folded(chain, L - 1)
     post = not chain.preact
     N, (Ho, Wo) = x.shape[0], geo.block.out_size
-    if chain.shortcut == "identity":
-        base = x if inplace else x.clone(memory_format=_format(x))
-        return conv_scatter(a, blist, w, b, base, tile=T, residual="map", relu=post)
     residual = None
     if chain.shortcut == "projection":
-        pw, pb = chain.proj.weight, None
-        if chain.proj_bn is not None:
-            s, t = running_scale_shift(chain.proj_bn)
-            pw, pb = pw * s.view(-1, 1, 1, 1), t
-        residual = conv_blocks(x, blist, pw, pb, stride=S, origin=((T[0] * S, T[1] * S), (0, 0)),
-                               extent=((T[0] - 1) * S + 1, (T[1] - 1) * S + 1), pre=pre)
-    base = zeros_in_layout(x, (N, chain.out_channels, Ho, Wo))
-    return conv_scatter(a, blist, w, b, base, tile=T, residual=residual, relu=post)
+        residual = _projection(chain, norm, x, a0, blist, geo, pre)
+    if chain.shortcut == "identity":
+        base = x if inplace and not grad else x.clone(memory_format=_format(x))
+    else:
+        base = zeros_in_layout(x, (N, chain.out_channels, Ho, Wo))
+    add = "map" if chain.shortcut == "identity" else residual
+    j = _out_slot(chain, L - 1)
+    if not norm.batch(j):
+        return conv_scatter(a, blist, *norm.folded(L - 1), base, tile=T, residual=add, relu=post)
+    t = norm(j, conv(L - 1, a, wb=(chain.convs[L - 1].weight, None)))  # post-activation: relu(bn(conv) + shortcut)
+    if residual is not None:
+        t = t + residual
+    return scatter_padded(t, blist, base, add=chain.shortcut == "identity", relu=True, inplace=False)
+
+
+def _projection(chain: SparseConvChain, norm: _ListNorm, x: torch.Tensor, a0: torch.Tensor | None,
+                blist: BlockList, geo: ChainGeometry, pre: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """The projection shortcut's tiles ``[capacity, CO, T_h, T_w]``: the 1x1 stride-S convolution of the tile's
+    own input pixels (the pre-activation's ``a0``), its BN (post-activation) folded or with batch moments."""
+    T, S = geo.tile, chain.stride
+    js = len(chain.bns) if chain.proj_bn is not None else None
+    pw, pb = chain.proj.weight, None
+    if js is not None and not norm.batch(js):
+        s, t = running_scale_shift(chain.proj_bn)
+        pw, pb = pw * s.view(-1, 1, 1, 1), t
+    if a0 is not None:  # the pre-activation's blocks: the tile's pixels at stride S
+        (ph, pw0) = geo.levels[0].offset
+        r = conv_blocks(a0[:, :, ph : ph + S * T[0] : S, pw0 : pw0 + S * T[1] : S], blist, pw, pb)
+    else:
+        r = conv_blocks(x, blist, pw, pb, stride=S, origin=((T[0] * S, T[1] * S), (0, 0)),
+                        extent=((T[0] - 1) * S + 1, (T[1] - 1) * S + 1), pre=pre)
+    return norm(js, r) if norm.batch(js) else r
 
 
 def _format(x: torch.Tensor) -> torch.memory_format:

@@ -31,6 +31,7 @@ __all__ = [
     "uses_batch_stats",
     "region_moments",
     "region_batch_norm",
+    "list_batch_norm",
     "combine_moments",
     "scale_shift",
     "check_count",
@@ -44,11 +45,12 @@ __all__ = [
 @dataclass(frozen=True)
 class Moments:
     """Per-channel mean and biased variance of ``count`` pixels (differentiable tensors, except those
-    :func:`region_batch_norm` returns for the running statistics)."""
+    :func:`region_batch_norm` returns for the running statistics); ``count`` a device tensor on the capacity path
+    (:func:`list_batch_norm`)."""
 
     mean: torch.Tensor
     var: torch.Tensor
-    count: int
+    count: int | torch.Tensor
 
 
 def uses_batch_stats(bn: nn.BatchNorm2d) -> bool:
@@ -158,6 +160,29 @@ def region_batch_norm(bn: nn.BatchNorm2d, z: torch.Tensor, level: Level, masks: 
     return y, Moments(mean=mean, var=var, count=masks.count)
 
 
+def list_batch_norm(bn: nn.BatchNorm2d, z: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, Moments]:
+    """``bn`` applied to all of ``z [capacity, C, e_h, e_w]`` (a padded block list's blocks) with the batch
+    moments of the pixels where ``weights [capacity, 1, e_h, e_w]`` is set (the active rows' tile regions, in-map
+    pixels: the capacity path's rows past the count are left out), without a host read: the count is a device
+    tensor and an empty list gives zero moments (the caller's running statistics then stay as they are). The
+    same statistics as :func:`region_batch_norm`'s; the gradient is autograd's of the moments, which is the one
+    :class:`_RegionBatchNorm` writes out (``z`` outside the weights - a padding row, even an unwritten one - gets
+    none through the moments, and its values never reach them)."""
+    acc = torch.promote_types(z.dtype, torch.float32)
+    on = weights > 0
+    zc = torch.where(on, z, 0).to(acc)
+    n = on.sum(dtype=acc)
+    denom = n.clamp_min(1)
+    mean = zc.sum((0, 2, 3)) / denom
+    d = torch.where(on, zc - mean.view(1, -1, 1, 1), 0)
+    var = (d * d).sum((0, 2, 3)) / denom
+    inv = torch.rsqrt(var + bn.eps)
+    scale = inv if not bn.affine else bn.weight.to(acc) * inv
+    shift = -mean * scale if not bn.affine else bn.bias.to(acc) - mean * scale
+    y = torch.addcmul(shift.view(1, -1, 1, 1).to(z.dtype), z, scale.view(1, -1, 1, 1).to(z.dtype))
+    return y, Moments(mean=mean.detach(), var=var.detach(), count=n)
+
+
 def combine_moments(parts: list[Moments]) -> Moments:
     """Moments of the union of disjoint pixel sets (Chan et al.'s pairwise formula, all at once)."""
     parts = [p for p in parts if p.count > 0]
@@ -205,8 +230,20 @@ def batch_norm_native(bn: nn.BatchNorm2d, z: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def update_running_stats(bn: nn.BatchNorm2d, m: Moments) -> None:
-    """Update ``bn``'s running statistics with batch moments ``m`` exactly as ``nn.BatchNorm2d`` does."""
-    if not (bn.training and bn.track_running_stats) or m.count == 0:
+    """Update ``bn``'s running statistics with batch moments ``m`` exactly as ``nn.BatchNorm2d`` does. A count
+    that is a device tensor (the capacity path) is not read: an empty batch then updates nothing by arithmetic."""
+    if not (bn.training and bn.track_running_stats):
+        return
+    if isinstance(m.count, torch.Tensor):
+        on = m.count > 0
+        bn.num_batches_tracked.add_(on.to(bn.num_batches_tracked.dtype))
+        tracked = bn.num_batches_tracked.clamp_min(1).to(m.mean.dtype)
+        f = (1.0 / tracked if bn.momentum is None else torch.full_like(tracked, bn.momentum)) * on.to(m.mean.dtype)
+        unbiased = m.var * (m.count / (m.count - 1).clamp_min(1)).to(m.var.dtype)
+        bn.running_mean.mul_((1 - f).to(bn.running_mean.dtype)).add_((m.mean * f).to(bn.running_mean.dtype))
+        bn.running_var.mul_((1 - f).to(bn.running_var.dtype)).add_((unbiased * f).to(bn.running_var.dtype))
+        return
+    if m.count == 0:
         return
     bn.num_batches_tracked.add_(1)
     f = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum

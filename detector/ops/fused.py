@@ -142,15 +142,21 @@ def conv_blocks(src: torch.Tensor, blist: BlockList, weight: torch.Tensor, bias:
     if fused_backend(src.device) != "triton":
         return slow(src, weight, bias, *(pre if pre is not None else (None, None)))
 
+    tensors = (src, weight, bias, *(pre if pre is not None else (None, None)))
+    grad = _grad(*tensors)
+
     def fast(s, w, b, ps, pt):  # noqa: ANN001, ANN202
+        # under autograd the padding rows are zeros, not unwritten: a batch norm's sums multiply them by a zero
+        # gradient, and 0 * (whatever memory held) may be NaN
         out = torch.empty((blist.capacity, int(w.shape[0]), oh, ow), dtype=s.dtype, device=s.device,
                           memory_format=fmt)
+        if grad:
+            out.zero_()
         return triton_blocks.block_conv(s, blist.indices, blist.count, w, b, out, stride=stride,
                                         in_map=origin is not None, origin=origin or ((0, 0), (0, 0)),
                                         pre=None if ps is None else (ps, pt), relu=relu, zero=zero)
 
-    tensors = (src, weight, bias, *(pre if pre is not None else (None, None)))
-    if _grad(*tensors):
+    if grad:
         return _ViaComposition.apply(fast, slow, *tensors)
     return fast(*tensors)
 

@@ -116,11 +116,103 @@ def test_overflow_reruns_and_loses_no_block(caplog):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_training_mode_is_refused():
-    net = _net().train()
+def _train_pair(preact=False, bottleneck=True, dtype=torch.float64):
+    """Two copies of a network in training mode: one for the exact path, one for the capacity path."""
+    import copy
+
+    a = _net(preact, bottleneck).to(dtype).train()
+    return a, copy.deepcopy(a)
+
+
+def _step(forward, x, seed=1):
+    """Features of ``forward(x)``, and the gradients of a fixed random projection of them (x's first)."""
+    x = x.clone().requires_grad_(True)
+    feats = forward(x)
+    g = torch.Generator().manual_seed(seed)
+    loss = sum((f * torch.randn(f.shape, generator=g, dtype=f.dtype)).sum() for f in feats)
+    if loss.requires_grad:  # no active block anywhere: the exact path's features do not depend on x
+        loss.backward()
+    return [f.detach() for f in feats], torch.zeros_like(x) if x.grad is None else x.grad
+
+
+def _assert_same_training(exact, cap, got, want):
+    for a, b in zip(got[0], want[0], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-9, atol=1e-9)
+    for (name, pa), pb in zip(cap.named_parameters(), exact.parameters(), strict=True):
+        ga = torch.zeros_like(pa) if pa.grad is None else pa.grad  # no active block: None on the exact path
+        gb = torch.zeros_like(pb) if pb.grad is None else pb.grad
+        torch.testing.assert_close(ga, gb, rtol=1e-9, atol=1e-9, msg=name)
+    for (name, ba), bb in zip(cap.named_buffers(), exact.buffers(), strict=True):
+        torch.testing.assert_close(ba, bb, rtol=1e-9, atol=1e-9, msg=name)
+
+
+@pytest.mark.parametrize("preact,bottleneck", [(False, True), (True, True), (False, False), (True, False)])
+@pytest.mark.parametrize("p", [0.985, 1.0, 0.0])  # some blocks, none (K = 0), all
+def test_training_equals_exact_path(preact, bottleneck, p):
+    """Training mode (batch statistics of the active tiles): the features, every gradient and the running
+    statistics equal the exact path's, on lists padded past their counts."""
+    exact, cap = _train_pair(preact, bottleneck)
+    x, mask = _inputs(p)
+    x = x.double()
+    want = _step(lambda a: exact(a, mask), x)
+    modes, caps = cp.plan_capacities(cap, x, mask)
+    padded = [None if c is None else (c[0] + 5, c[1] + 3) for c in caps]
+    got = _step(lambda a: cp.forward_capacity(cap, a, mask, modes, padded)[0], x)
+    _assert_same_training(exact, cap, got, want)
+
+
+def test_training_makes_no_host_call():
+    """Forward and backward of a training step: no data-dependent host call (the plan's read is before)."""
+    _, net = _train_pair(dtype=torch.float32)
     x, mask = _inputs()
-    with pytest.raises(ValueError, match="inference"):
-        cp.forward_capacity(net, x, mask, [4, 4, 4], [(8, 0), (8, 8), (8, 8)])
+    modes, caps = cp.plan_capacities(net, x, mask)
+    with _Calls() as calls:
+        _step(lambda a: cp.forward_capacity(net, a, mask, modes, caps)[0], x)
+    assert calls.seen and not [f for f in calls.seen if f.startswith(SYNCS)]
+
+
+def test_training_compiles_fullgraph():
+    """The training forward is one graph (aot_eager: the backward traced too); same values and gradients."""
+    exact, net = _train_pair(dtype=torch.float32)
+    x, mask = _inputs()
+    modes, caps = cp.plan_capacities(net, x, mask)
+    want = _step(lambda a: exact(a, mask), x)
+    torch._dynamo.reset()
+    f = torch.compile(lambda a, m: cp.forward_capacity(net, a, m, modes, caps)[0], fullgraph=True,
+                      backend="aot_eager")
+    got = _step(lambda a: f(a, mask), x)
+    for a, b in zip(got[0], want[0], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
+
+
+def test_list_batch_norm_counts_only_the_weighted_pixels():
+    """By hand: 2 rows of 1 channel, 2x2 pixels; the weights count 3 pixels of row 0 and none of row 1 (a padding
+    row holding NaN): mean and biased variance of those 3 values; y = (z - mean) / sqrt(var + eps) everywhere."""
+    from detector.nn.norm import list_batch_norm
+
+    bn = torch.nn.BatchNorm2d(1, eps=0.0, affine=False)
+    z = torch.tensor([[[[1.0, 2.0], [3.0, 10.0]]], [[[float("nan")] * 2] * 2]])
+    w = torch.tensor([[[[1, 1], [1, 0]]], [[[0, 0], [0, 0]]]], dtype=torch.bool)
+    y, m = list_batch_norm(bn, z, w)
+    assert float(m.count) == 3
+    torch.testing.assert_close(m.mean, torch.tensor([2.0]))
+    torch.testing.assert_close(m.var, torch.tensor([2.0 / 3.0]))
+    torch.testing.assert_close(y[0, 0], (z[0, 0] - 2.0) / (2.0 / 3.0) ** 0.5)
+
+
+def test_empty_list_leaves_running_statistics():
+    """No active block in training: the running statistics and their batch counter stay as they were (as the
+    exact path's, which skips the update)."""
+    _, net = _train_pair(dtype=torch.float32)
+    x, mask = _inputs(p=1.0)
+    before = {k: v.clone() for k, v in net.named_buffers() if "stages.1" in k or "stages.2" in k}
+    modes, caps = cp.plan_capacities(net, x, mask)
+    cp.forward_capacity(net, x, mask, modes, caps)
+    after = dict(net.named_buffers())
+    for k, v in before.items():
+        torch.testing.assert_close(after[k], v, msg=k)
 
 
 @pytest.mark.parametrize("preact", [False, True])
@@ -138,3 +230,20 @@ def test_triton_kernels_in_the_backbone(preact, monkeypatch):
     assert not bool(overflow)
     for a, b in zip(feats, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("preact", [False, True])
+def test_triton_kernels_in_training(preact, monkeypatch):
+    """A training step with the fused Triton kernels (interpreted on the CPU; their backward by the composition):
+    the exact path's features, gradients and running statistics."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    exact, cap = _train_pair(preact)
+    x, mask = _inputs(n=1, h=21, w=19, p=0.95)
+    x = x.double()
+    want = _step(lambda a: exact(a, mask), x)
+    modes, caps = cp.plan_capacities(cap, x, mask)
+    padded = [None if c is None else (c[0] + 2, c[1] + 2) for c in caps]
+    monkeypatch.setenv("DETECTOR_FUSED", "triton")
+    got = _step(lambda a: cp.forward_capacity(cap, a, mask, modes, padded)[0], x)
+    _assert_same_training(exact, cap, got, want)
