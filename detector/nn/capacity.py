@@ -122,7 +122,7 @@ def chain_capacity(chain: SparseConvChain, x: torch.Tensor, blist: BlockList, in
         raise ValueError(f"{chain.name}: the block list was made for another geometry ({blist.block}); "
                          f"this unit needs {geo.block}")
     norm = _ListNorm(chain, blist, geo)
-    lv, specs, L, S = geo.levels, chain.specs, len(chain.convs), chain.stride
+    lv, specs, L = geo.levels, chain.specs, len(chain.convs)
     T = geo.tile
     origin0 = (lv[0].region, lv[0].offset)
     grad = torch.is_grad_enabled()
