@@ -10,14 +10,15 @@ dense (``mask=None``); where the mask comes from:
   dilated ground-truth boxes;
 - neither: dense.
 
-Inference runs on one of two sparse paths (``inference_path``): the *exact* one sizes every op by the active
-blocks (read by the host per stage: on a GPU a sync per stage and new shapes per batch), the *capacity* one
-(:mod:`detector.nn.capacity`) on block lists of bounded sizes made on the device, with one host read of the
-plan's counts per batch and none inside the network, captured as a CUDA graph per (shape, plan, buckets) on a GPU.
-Both give the same values; ``auto`` takes the capacity path on a GPU (launch- and sync-bound there) and the exact
-one on the CPU (no syncs to save, and no padding rows to compute). Training always runs the exact path. Where the
-capacity path runs on a GPU, the dense network (no mask) is captured as a graph too: a sparse plan is priced, and
-measured, against the best dense.
+The sparse network runs on one of two paths (``inference_path``, ``train_path``): the *exact* one sizes every op
+by the active blocks (read by the host per stage: on a GPU a sync per stage and new shapes per batch), the
+*capacity* one (:mod:`detector.nn.capacity`) on block lists of bounded sizes made on the device, with one host read
+of the plan's counts per batch and none inside the network; its inference is captured as a CUDA graph per (shape,
+plan, buckets) on a GPU. Both give the same values, gradients and running statistics; ``auto`` takes the capacity
+path on a GPU (launch- and sync-bound there) and the exact one on the CPU (no syncs to save, and no padding rows to
+compute; also where synchronized batch norm trains across processes). Where the capacity path's inference runs on a
+GPU, the dense network (no mask) is captured as a graph too: a sparse plan is priced, and measured, against the best
+dense.
 """
 
 from __future__ import annotations
@@ -44,10 +45,11 @@ from detector.models.targets import BoxCoder
 from detector.nn.capacity import StageCapacity, chain_list, decide_lists, forward_capacity, rerun_warning, run_chain
 from detector.nn.chain import SparseConvChain
 from detector.nn.graphs import GraphCache
+from detector.nn.norm import needs_sync
 from detector.nn.plan import AUTO, DENSE, Plan, StageInput, check_setting, measure
 from detector.nn.resnet import SparseResNet, downsample_mask
 
-INFERENCE_PATHS = ("auto", "exact", "capacity")
+SPARSE_PATHS = ("auto", "exact", "capacity")
 
 
 class TopDownNeck(nn.Module):
@@ -140,6 +142,7 @@ class BevDetector(nn.Module):
         mask_loss_weight: its weight in the total loss.
         inference_path: the sparse path of inference (module docstring): ``auto`` (capacity on a GPU, exact on the
             CPU), ``exact`` or ``capacity``.
+        train_path: the sparse path of training (and of any forward under autograd), the same values.
     """
 
     def __init__(
@@ -159,6 +162,7 @@ class BevDetector(nn.Module):
         mask_loss_kind: str = "focal",
         mask_loss_weight: float = 1.0,
         inference_path: str = "auto",
+        train_path: str = "auto",
     ):
         super().__init__()
         if mask_net is not None and mask_schedule is None:
@@ -183,17 +187,19 @@ class BevDetector(nn.Module):
         self.mask_loss_weight = mask_loss_weight
         self.use_data_mask = sparse  # an attribute: the benchmarks switch a sparse detector's masks off and on
         self.timing = False  # record per-stage wall times (synchronizes on CUDA)
-        if inference_path not in INFERENCE_PATHS:
-            raise ConfigError(f"model.inference_path must be one of {', '.join(INFERENCE_PATHS)}, "
-                              f"got {inference_path!r}")
+        for key, value in (("inference_path", inference_path), ("train_path", train_path)):
+            if value not in SPARSE_PATHS:
+                raise ConfigError(f"model.{key} must be one of {', '.join(SPARSE_PATHS)}, got {value!r}")
         self.inference_path = inference_path
+        self.train_path = train_path
         self.graphs = GraphCache()  # the capacity path's captured graphs (CUDA)
 
     def extra_repr(self) -> str:
         g = self.grid
         mask = ("mask_net" if self.mask_net is not None else "the batch's mask") if self.use_data_mask else "dense"
         text = (f"grid={g.H}x{g.W} cells of {g.resolution:g} m, {g.C} channels, classes={list(self.coder.classes)}, "
-                f"mask={mask}, head_block_size={self.head_block_size}, inference_path={self.inference_path}")
+                f"mask={mask}, head_block_size={self.head_block_size}, inference_path={self.inference_path}, "
+                f"train_path={self.train_path}")
         return text + (f",\nmask_schedule={self.mask_schedule}" if self.mask_schedule is not None else "")
 
     @property
@@ -237,7 +243,8 @@ class BevDetector(nn.Module):
             mask = batch.mask.to(bev)
         t = self._tick(times, "mask", t)
         plan = None
-        if mask is None and self.uses_capacity_path(bev) and bev.is_cuda:  # dense, captured like the sparse path
+        inference = not (self.training or torch.is_grad_enabled())
+        if mask is None and inference and self.uses_capacity_path(bev) and bev.is_cuda:  # dense, captured like sparse
             run = self.graphs.get(("dense", tuple(bev.shape), bev.dtype, bev.device),
                                   lambda b: self.head(self.neck(self.backbone(b))), bev)
             heat, reg = (o.clone() for o in run(bev))
@@ -313,12 +320,15 @@ class BevDetector(nn.Module):
         plan = self.backbone.planner.decide(inputs, mask.device, mask.dtype, self.training)
         return list(plan.choices), plan
 
-    # --- inference on the capacity path -------------------------------------------------------------------
+    # --- the capacity path -----------------------------------------------------------------------------
     def uses_capacity_path(self, bev: torch.Tensor) -> bool:
-        """Whether this forward runs the capacity path (inference: eval mode, no autograd)."""
-        if self.training or torch.is_grad_enabled() or self.inference_path == "exact":
-            return False
-        return self.inference_path == "capacity" or bev.is_cuda
+        """Whether this forward runs the capacity path: ``train_path`` in training or under autograd, else
+        ``inference_path``; ``auto``: on a GPU, unless batch norm synchronizes across processes."""
+        training = self.training or torch.is_grad_enabled()
+        setting = self.train_path if training else self.inference_path
+        if setting != "auto":
+            return setting == "capacity"
+        return bev.is_cuda and not (training and any(needs_sync(m) for m in self.modules()))
 
     def capacity_plan(self, x_shape: tuple[int, ...], mask: torch.Tensor, level_masks: Sequence[torch.Tensor],
                       modes: Sequence[int | str] | None = None
@@ -327,7 +337,7 @@ class BevDetector(nn.Module):
         those) and the list capacities of every sparse stage, from ONE host read of all the counts."""
         settings = self.settings() if modes is None else list(modes)
         inputs = self.plan_inputs(x_shape, mask, level_masks, settings, path="capacity")
-        return decide_lists(inputs, settings, self.backbone.planner, mask.device, mask.dtype)
+        return decide_lists(inputs, settings, self.backbone.planner, mask.device, mask.dtype, self.training)
 
     def capacity_maps(self, bev: torch.Tensor, mask: torch.Tensor, level_masks: Sequence[torch.Tensor],
                       modes: Sequence[int | str], caps: Sequence[StageCapacity | None]
@@ -352,23 +362,31 @@ class BevDetector(nn.Module):
 
     def capacity_forward(self, bev: torch.Tensor, mask: torch.Tensor, level_masks: Sequence[torch.Tensor],
                          times: dict[str, float] | None = None) -> tuple[torch.Tensor, torch.Tensor, Plan | None]:
-        """The capacity path of one batch: the plan's one read, the network (a captured graph per shape, plan
-        and buckets on CUDA), then one read of the overflow flag - set only if the lists were too short, which
-        the counts of this very batch rule out; checked all the same, and rerun at the true counts if so."""
+        """The capacity path of one batch: the plan's one read, the network (in inference a captured graph per
+        shape, plan and buckets on CUDA), then one read of the overflow flag - set only if the lists were too
+        short, which the counts of this very batch rule out; checked all the same: inference reruns at the true
+        counts, a training step (whose batch norm has updated its running statistics) stops with an error."""
         times = {} if times is None else times
         t = time.perf_counter() if self.timing else 0.0
         modes, caps, plan = self.capacity_plan(tuple(bev.shape), mask, level_masks)
         t = self._tick(times, "plan", t)
-        key = (tuple(bev.shape), bev.dtype, bev.device, tuple(modes), tuple(caps))
-        run = self.graphs.get(key, lambda b, m, *lm: self.capacity_maps(b, m, lm, modes, caps), bev, mask,
-                              *level_masks)
-        heat, reg, overflow, counts = run(bev, mask, *level_masks)
-        if bool(overflow):
+        if self.training or torch.is_grad_enabled():
+            heat, reg, overflow, counts = self.capacity_maps(bev, mask, level_masks, modes, caps)
+        else:
+            key = (tuple(bev.shape), bev.dtype, bev.device, tuple(modes), tuple(caps))
+            run = self.graphs.get(key, lambda b, m, *lm: self.capacity_maps(b, m, lm, modes, caps), bev, mask,
+                                  *level_masks)
+            heat, reg, overflow, counts = run(bev, mask, *level_masks)
+        if bool(overflow) and self.training:
+            raise RuntimeError(f"capacity path: the block lists {caps} hold fewer rows than the batch's active "
+                               f"blocks {[[int(c) for c in cs] for cs in counts]}; no block may be dropped "
+                               "(model.train_path=exact runs without lists)")
+        if not self.training and bool(overflow):
             modes, new_caps, _ = self.capacity_plan(tuple(bev.shape), mask, level_masks, modes)
             rerun_warning(counts, caps, new_caps)
             heat, reg, _, _ = self.capacity_maps(bev, mask, level_masks, modes, new_caps)
         self._tick(times, "network", t)
-        if bev.is_cuda:  # a replay's outputs are the graph's own: the next replay overwrites them
+        if bev.is_cuda and not torch.is_grad_enabled():  # a replay's outputs are the graph's own: the next overwrites
             heat, reg = heat.clone(), reg.clone()
         return heat, reg, plan
 

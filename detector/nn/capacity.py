@@ -273,13 +273,13 @@ def capacities(inputs: Sequence[StageInput], modes: Sequence[int | str], smalles
 
 
 def decide_lists(inputs: Sequence[StageInput], settings: Sequence[int | str], planner, device: torch.device,  # noqa: ANN001
-                 dtype: torch.dtype, smallest: int = 8
+                 dtype: torch.dtype, training: bool = False, smallest: int = 8
                  ) -> tuple[list[int | str], list[StageCapacity | None], Plan | None]:
     """The capacity path's plan of a batch from its plan ``inputs`` (counts unread): ONE host read of all the
-    counts, the modes (``planner``'s choice, priced for this path, where a setting is 'auto'; else the settings)
-    and the list capacities of every stage."""
+    counts, the modes (``planner``'s choice, priced for this path and for a training step or inference, where a
+    setting is 'auto'; else the settings) and the list capacities of every stage."""
     inputs = settle(inputs)  # the one read
-    plan = planner.decide(inputs, device, dtype, False, "capacity") if AUTO in settings else None
+    plan = planner.decide(inputs, device, dtype, training, "capacity") if AUTO in settings else None
     modes = list(plan.choices) if plan is not None else list(settings)
     return modes, capacities(inputs, modes, smallest), plan
 
@@ -291,7 +291,7 @@ def plan_capacities(net: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor,
     :meth:`SparseResNet.plan_inputs`)."""
     settings = _settings(net, modes)
     inputs = net.plan_inputs(tuple(x.shape), mask.to(x.dtype), settings, path="capacity")
-    chosen, caps, _ = decide_lists(inputs, settings, net.planner, x.device, x.dtype, smallest)
+    chosen, caps, _ = decide_lists(inputs, settings, net.planner, x.device, x.dtype, net.training, smallest)
     return chosen, caps
 
 

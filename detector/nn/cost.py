@@ -16,8 +16,9 @@ Estimates are sums of a few terms whose constants are properties of the machine,
 In training every per-element term is tripled (the backward convolves and moves twice as much); the
 fixed per-unit costs are measured forward + backward.
 
-The *capacity* path (inference on bounded block lists, :mod:`detector.nn.capacity`; captured as a CUDA graph on a
-GPU) has its own constants: per active block ``macs * fused_mac(T)`` (the fused gather + convolution + epilogue,
+The *capacity* path (bounded block lists, :mod:`detector.nn.capacity`; its inference captured as a CUDA graph on a
+GPU) prices a training step as the exact path's on the lists' rows (unfused ops there too), and its inference with
+its own constants: per active block ``macs * fused_mac(T)`` (the fused gather + convolution + epilogue,
 measured as one) plus the scatter of its output tile ``* move``, and the fixed costs of a unit measured the way
 that path runs them - captured in a CUDA graph on a GPU, where a graph replay removes most of a layer call's
 launch and host cost - for a sparse unit (``capacity_unit``) and a dense one (``dense_unit_graph``). Its
@@ -140,11 +141,12 @@ PATHS = ("exact", "capacity")
 
 
 def _capacity(path: str, training: bool) -> bool:
+    """Whether the capacity path's own constants price this (inference on it); its training step runs the exact
+    path's kind of ops - unfused convolutions, batch norm passes, gather and scatter - on the list's rows, and is
+    priced with the exact path's training constants (the caller passes the rows, not the count)."""
     if path not in PATHS:
         raise ValueError(f"CostModel: path must be one of {PATHS}, got {path!r}")
-    if path == "capacity" and training:
-        raise ValueError("CostModel: the capacity path is for inference only")
-    return path == "capacity"
+    return path == "capacity" and not training
 
 
 # The plan prices every stage's options on every batch; what does not depend on the active blocks is computed once

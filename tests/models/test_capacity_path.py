@@ -1,6 +1,6 @@
-"""The whole detector on the capacity path (inference on bounded block lists, BevDetector.capacity_forward):
-the exact path's outputs, no data-dependent host call inside the network, one plan priced for that path, overflow
-rerun, and the choice of path."""
+"""The whole detector on the capacity path (bounded block lists, BevDetector.capacity_forward): in inference and in
+a training step the exact path's outputs (and gradients, running statistics), no data-dependent host call inside the
+network, one plan priced for that path, overflow rerun (inference) or error (training), and the choice of path."""
 
 from __future__ import annotations
 
@@ -160,11 +160,84 @@ def test_which_path_runs():
         model.inference_path = "capacity"
         assert model.uses_capacity_path(bev)
         model.train()
-        assert not model.uses_capacity_path(bev)  # training: always exact
+        assert not model.uses_capacity_path(bev)  # training: train_path, auto: exact on the CPU
+        model.train_path = "capacity"
+        assert model.uses_capacity_path(bev)
     model.eval()
-    assert not model.uses_capacity_path(bev)  # autograd on: exact
-    with pytest.raises(ConfigError, match="model.inference_path"):
-        _model(path="fast")
+    assert model.uses_capacity_path(bev)  # autograd on: train_path
+    model.train_path = "exact"
+    assert not model.uses_capacity_path(bev)
+    for key in ("inference_path", "train_path"):
+        with pytest.raises(ConfigError, match=f"model.{key}"):
+            BevDetector(GRID, backbone=model.backbone, coder=BoxCoder(["Car"]), neck_channels=8, head_channels=8,
+                        out_stride=4, head_block_size=8, mask_dilation_m=2.0, sparse=True, **{key: "fast"})
+
+
+def _train_step(model: BevDetector, batch, path: str, bev: torch.Tensor | None = None):
+    """Loss and gradients of one training step on ``path`` (the model in training mode)."""
+    model.train()
+    model.train_path = path
+    model.zero_grad(set_to_none=True)
+    out = model(batch, bev=bev)
+    loss, _ = model.loss(out, batch)
+    loss.backward()
+    return out, loss.detach()
+
+
+@pytest.mark.parametrize("block,head_block", [(8, 16), (16, 8), (["dense", 8, 16, 8], "dense")])
+@pytest.mark.parametrize("kind", ["patch", "none"])
+def test_training_step_equals_the_exact_path(block, head_block, kind):
+    """A training step on the capacity path (batch norm with the lists' batch moments): the exact path's outputs,
+    loss, gradients of every parameter and running statistics."""
+    exact_model = _model(block, head_block).double()
+    cap_model = copy.deepcopy(exact_model)
+    batch = _batch(2)
+    batch.mask = _mask(kind)
+    bev = exact_model.voxelize(batch).double()
+    want, want_loss = _train_step(exact_model, batch, "exact", bev)
+    got, got_loss = _train_step(cap_model, batch, "capacity", bev)
+    torch.testing.assert_close(got.heatmap, want.heatmap, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-9, atol=1e-9)
+    for (name, a), b in zip(cap_model.named_parameters(), exact_model.parameters(), strict=True):
+        ga = torch.zeros_like(a) if a.grad is None else a.grad  # no active block: no gradient on the exact path
+        gb = torch.zeros_like(b) if b.grad is None else b.grad
+        torch.testing.assert_close(ga, gb, rtol=1e-8, atol=1e-9, msg=name)
+    for (name, a), b in zip(cap_model.named_buffers(), exact_model.buffers(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=name)
+
+
+def test_training_step_with_the_plan_and_no_host_call_inside():
+    """train_path=capacity with 'auto' settings: one plan priced for a training step on this path; the network's
+    forward and backward make no data-dependent host call once it is read."""
+    model = _model("auto", "auto").train()
+    model.train_path = "capacity"
+    batch = _batch(2)
+    batch.mask = _mask("patch")
+    bev = model.voxelize(batch)
+    lm = masks_at_strides(batch.mask, model.neck.strides)
+    modes, caps, plan = model.capacity_plan(tuple(bev.shape), batch.mask, lm)
+    assert plan is not None and any(m != "dense" for m in modes)
+    with _Calls() as calls:
+        heat, reg, _, _ = model.capacity_maps(bev, batch.mask, lm, modes, caps)
+        (heat.square().mean() + reg.square().mean()).backward()
+    assert calls.seen and not [f for f in calls.seen if f.startswith(SYNCS)]
+    out = model(batch)
+    assert out.plan is not None and list(out.plan.choices) == list(modes)
+
+
+def test_training_overflow_stops_with_an_error(monkeypatch):
+    """A training step whose lists would miss active blocks is not run on: its batch norm has already updated the
+    running statistics, so it cannot rerun; it stops with a readable error (the lists come from this batch's own
+    counts, so only a bug can get here)."""
+    model = _model(8, 8).train()
+    model.train_path = "capacity"
+    batch = _batch(2)
+    batch.mask = _mask("patch")
+    real = capacity.capacities
+    monkeypatch.setattr(capacity, "capacities", lambda inputs, modes, smallest=8: [
+        None if c is None else (1, 1 if c[1] else 0) for c in real(inputs, modes, smallest)])
+    with pytest.raises(RuntimeError, match="no block may be dropped"):
+        model(batch)
 
 
 def test_graph_cache_belongs_to_its_model():
