@@ -252,6 +252,26 @@ def test_readme_default_run_trains_the_mask_net_on_its_own_prediction(tmp_path, 
     assert ckpt["global_step"] == 2 and any(k.startswith("model.mask_net.") for k in ckpt["state_dict"])
 
 
+def test_capacity_path_trains_through_the_application(tmp_path, tiny_root):
+    """The default run with model.train_path=capacity (what auto picks on a GPU) on a tiny set: Lightning's steps
+    on the block lists reach the weights and running statistics of the same run on the exact path (same seed, same
+    batches; the lists' batch norm equals the exact path's region statistics, up to float32 rounding)."""
+    states = {}
+    for path in ("exact", "capacity"):
+        cfg = _cfg(tmp_path / path, tiny_root, "trainer.max_epochs=2", "trainer.max_steps=3",
+                   "callbacks.model_checkpoint.monitor=null", "evaluate_after=false", "logger=none",
+                   # plain SGD: a step moves each weight by lr x its gradient (Adam's normalization would blow the
+                   # float32 rounding of a near-zero gradient up to a step of lr)
+                   "optimizer._target_=torch.optim.SGD", "optimizer.weight_decay=0", f"model.train_path={path}")
+        result = train(cfg)
+        ckpt = load_checkpoint(result["best_ckpt"])
+        assert ckpt["global_step"] == 3
+        states[path] = ckpt["state_dict"]
+    assert states["exact"].keys() == states["capacity"].keys()
+    for k, v in states["exact"].items():
+        torch.testing.assert_close(states["capacity"][k], v, rtol=1e-4, atol=1e-5, msg=k)
+
+
 def test_mask_train_threshold_phase_then_the_inference_threshold(tmp_path, tiny_root):
     """Rule (configs/mask/predicted.yaml): the first ``train_threshold_steps`` optimizer steps (global steps
     0 .. train_threshold_steps - 1) threshold the mask net's probabilities at ``train_threshold``; later steps and
