@@ -6,14 +6,14 @@
 
 - ``units``: the bottleneck unit of stage 1 at bev=kitti (400 x 352 x 96, 24 mid channels), a random tile mask at
   each sparsity; forward: dense eager, dense captured, dense ``torch.compile(mode="reduce-overhead")`` (``compile``),
-  sparse exact path, sparse capacity path eager and captured; forward + backward: dense vs the exact sparse path
-  (the capacity path is inference only). Ratios against the faster dense; the floor beside them: the dense and the
+  sparse exact path, sparse capacity path eager and captured; forward + backward (training-mode BN): dense vs the
+  exact sparse path and the capacity path. Ratios against the faster dense; the floor beside them: the dense and the
   active blocks' MACs (halos included) and their quotient, the halo bound.
 - ``backbone``: the default model's backbone at bev=kitti (36 x 800 x 704), a blob mask (about a quarter of the map)
   at tile 16: dense eager / captured / compiled vs the capacity path captured (the plan's read and the overflow
   read included), per batch.
-- ``train``: one training step (forward + backward + SGD) of that backbone at batch 8, dense vs the exact sparse
-  path at tile 16.
+- ``train``: one training step (forward + backward + SGD) of that backbone at batch 8: dense (eager, compiled) vs the
+  exact sparse path and the capacity path (eager with its plan read; compiled) at tile 16.
 - ``profile``: kernels (CUDA kernel events) and host syncs (``torch.cuda.set_sync_debug_mode``'s warnings) per
   forward of the backbone: dense, exact sparse, capacity eager, capacity captured (one graph launch).
 
@@ -135,11 +135,14 @@ def bench_units(args: dict, dev: torch.device, dtype: torch.dtype, rows: list) -
                                             dev, reps),
                       "sparse_capacity": timed(run_cap, dev, reps),
                       "sparse_capacity_graph": timed(lambda: graph(x, mask), dev, reps)}
-            # forward + backward: dense vs the exact sparse path (training-mode BN)
+            # forward + backward (training-mode BN): dense vs the exact sparse path and the capacity path (the
+            # bucket of this count, as a training step plans it)
             unit.train()
             xg = x.detach().clone().requires_grad_()
             fb_dense = timed(lambda: unit(xg).float().sum().backward(), dev, max(3, reps // 2))
             fb_sparse = timed(lambda: unit(xg, mask=mask).float().sum().backward(), dev, max(3, reps // 2))
+            fb_cap = timed(lambda: cp.stage_capacity(stage, xg, mask, tile, caps[0])[0].float().sum().backward(),
+                           dev, max(3, reps // 2))
             unit.eval()
             dm, smac = dense_macs(unit, b, H, W), sparse_macs(unit, H, W, tile, k)
             rows.append({"bench": "units", "unit": f"bottleneck {H}x{W}x{C}", "batch": b, "sparsity": sp,
@@ -148,7 +151,8 @@ def bench_units(args: dict, dev: torch.device, dtype: torch.dtype, rows: list) -
                          "best_dense_ms": round(best, 3), **{f"{k2}_ms": round(v, 3) for k2, v in ms.items()},
                          **{f"{k2}_x": _ratio(best, v) for k2, v in ms.items()},
                          "fwd_bwd_dense_ms": round(fb_dense, 3), "fwd_bwd_sparse_exact_ms": round(fb_sparse, 3),
-                         "fwd_bwd_x": _ratio(fb_dense, fb_sparse), "dense_gmac": round(dm / 1e9, 3),
+                         "fwd_bwd_x": _ratio(fb_dense, fb_sparse), "fwd_bwd_sparse_capacity_ms": round(fb_cap, 3),
+                         "fwd_bwd_capacity_x": _ratio(fb_dense, fb_cap), "dense_gmac": round(dm / 1e9, 3),
                          "sparse_gmac": round(smac / 1e9, 3), "halo_bound_x": _ratio(dm, smac)})
 
 
@@ -192,6 +196,11 @@ def bench_backbone(args: dict, dev: torch.device, dtype: torch.dtype, rows: list
 
 
 def bench_train(args: dict, dev: torch.device, dtype: torch.dtype, rows: list) -> None:
+    """One SGD step of the backbone in training mode: dense (eager; ``compile``: also ``torch.compile``), the exact
+    sparse path and the capacity path (its plan read each step, as a training step makes it; ``compile``: also
+    the capacity forward compiled, the plan's modes and buckets fixed, or the error that stopped it)."""
+    from detector.nn import capacity as cp
+
     tiny = args["tiny"] == "true"
     net, (H, W) = _backbone(dev, dtype, tiny)
     net.train()
@@ -200,15 +209,35 @@ def bench_train(args: dict, dev: torch.device, dtype: torch.dtype, rows: list) -
     mask = blob_mask(b, H, W, 0, dev).to(dtype)
     opt = torch.optim.SGD(net.parameters(), lr=1e-4)
 
-    def step(m):  # noqa: ANN001, ANN202
+    def step(forward):  # noqa: ANN001, ANN202
         opt.zero_grad(set_to_none=True)
-        sum(f.float().mean() for f in net(x, m)).backward()
+        sum(f.float().mean() for f in forward()).backward()
         opt.step()
 
+    def capacity():  # noqa: ANN202
+        modes, caps = cp.plan_capacities(net, x, mask)  # the step's one read
+        return cp.forward_capacity(net, x, mask, modes, caps)[0]
+
     reps = max(3, int(args["reps"]) // 2)
-    d, s = timed(lambda: step(None), dev, reps), timed(lambda: step(mask), dev, reps)
+    ms = {"dense_ms": timed(lambda: step(lambda: net(x)), dev, reps),
+          "sparse_exact_ms": timed(lambda: step(lambda: net(x, mask)), dev, reps),
+          "sparse_capacity_ms": timed(lambda: step(capacity), dev, reps)}
+    if args["compile"] == "true" and dev.type == "cuda":
+        dense_c = torch.compile(lambda a: net(a))
+        ms["dense_compiled_ms"] = timed(lambda: step(lambda: dense_c(x)), dev, reps)
+        modes, caps = cp.plan_capacities(net, x, mask)
+        cap_c = torch.compile(lambda a, m: cp.forward_capacity(net, a, m, modes, caps)[0])
+        try:
+            ms["sparse_capacity_compiled_ms"] = timed(lambda: step(lambda: cap_c(x, mask)), dev, reps)
+        except Exception as e:  # noqa: BLE001  (a row that says why, not a lost run)
+            ms["sparse_capacity_compiled_ms"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    best = min(v for k, v in ms.items() if k.startswith("dense"))
     rows.append({"bench": "train_step", "input": f"36x{H}x{W}", "batch": b, "dtype": str(dtype).removeprefix("torch."),
-                 "dense_ms": round(d, 3), "sparse_exact_ms": round(s, 3), "sparse_over_dense": round(s / d, 3)})
+                 "mask": "blobs (~1/4 of the map)", **{k: round(v, 3) if isinstance(v, float) else v
+                                                      for k, v in ms.items()},
+                 "best_dense_ms": round(best, 3),
+                 **{k.replace("_ms", "_over_dense"): round(v / best, 3) for k, v in ms.items()
+                    if k.startswith("sparse") and isinstance(v, float)}})
 
 
 def count_calls(fn, dev: torch.device) -> dict:  # noqa: ANN001

@@ -9,13 +9,16 @@ import pytest
 from detector.bench import gpu_units
 
 
-@pytest.mark.slow  # ~30 s on a busy 2-core machine
+@pytest.mark.slow  # ~40 s on a busy 2-core machine
 def test_cpu_smoke(tmp_path):
     out, md = tmp_path / "u.json", tmp_path / "u.md"
-    assert gpu_units.main(["device=cpu", "dtype=float32", "batch=1", "sparsity=0.9", "what=units,backbone,profile",
+    assert gpu_units.main(["device=cpu", "dtype=float32", "batch=1", "sparsity=0.9", "what=units,backbone,train,profile",
                            "reps=1", f"out={out}", f"md={md}"]) == 0
     rows = json.loads(out.read_text())
-    assert {r["bench"] for r in rows} == {"units", "backbone", "profile"}
+    assert {r["bench"] for r in rows} == {"units", "backbone", "train_step", "profile"}
     unit = next(r for r in rows if r["bench"] == "units")
     assert unit["capacity"] >= unit["active_blocks"] and unit["halo_bound_x"] > 1
+    assert unit["fwd_bwd_sparse_capacity_ms"] > 0
+    step = next(r for r in rows if r["bench"] == "train_step")
+    assert step["sparse_capacity_ms"] > 0 and step["sparse_exact_ms"] > 0 and step["dense_ms"] > 0
     assert "## units" in md.read_text()
