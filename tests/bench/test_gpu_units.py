@@ -12,8 +12,8 @@ from detector.bench import gpu_units
 @pytest.mark.slow  # ~40 s on a busy 2-core machine
 def test_cpu_smoke(tmp_path):
     out, md = tmp_path / "u.json", tmp_path / "u.md"
-    assert gpu_units.main(["device=cpu", "dtype=float32", "batch=1", "sparsity=0.9", "what=units,backbone,train,profile",
-                           "reps=1", f"out={out}", f"md={md}"]) == 0
+    assert gpu_units.main(["device=cpu", "dtype=float32", "batch=1", "sparsity=0.9",
+                           "what=units,backbone,train,profile", "reps=1", f"out={out}", f"md={md}"]) == 0
     rows = json.loads(out.read_text())
     assert {r["bench"] for r in rows} == {"units", "backbone", "train_step", "profile"}
     unit = next(r for r in rows if r["bench"] == "units")
