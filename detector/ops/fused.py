@@ -20,7 +20,10 @@ One op, two paths by device: on CUDA with triton, the kernel of :mod:`detector.o
 each, the gather and the scatter fused in; padding rows skipped by the device-side count); elsewhere (the CPU:
 its oneDNN convolutions and the compiled gather/scatter kernels stay the CPU path) the composition of
 ``sparse_gather``, ``F.conv2d`` and :func:`~detector.ops.capacity.scatter_padded`. Backward: the composition's
-autograd; the triton forward's backward recomputes the composition (no fused backward kernel is written).
+autograd on the CPU; on the kernel's path :func:`conv_blocks` has a fused backward (two kernels: the transposed
+convolution into the source window, scatter-added into a map source by the gather's backward, and the weight's
+gradient, summed in deterministic runs of rows), while :func:`conv_scatter` and a ``pre`` affine recompute the
+composition and take its backward.
 ``DETECTOR_FUSED=triton`` forces the kernel on any device (with ``TRITON_INTERPRET=1``: on the CPU, the tests),
 ``DETECTOR_FUSED=torch`` the composition.
 """
@@ -118,6 +121,61 @@ class _ViaComposition(torch.autograd.Function):
         return (None, None, *(next(grads) if need else None for need in ctx.needs_input_grad[2:]))
 
 
+class _FusedConv(torch.autograd.Function):
+    """The kernel's forward and its fused backward (:func:`~detector.ops.triton_blocks.block_conv_dgrad`,
+    :func:`~detector.ops.triton_blocks.block_conv_wgrad`): ``grad`` through the epilogue (ReLU: where the output
+    is positive; the level's zeroing: where it kept the pixel), then the source window's gradient (for a map
+    source scatter-added into the map at each row's window, halos adding up: the gather's own backward) and the
+    weight's; the bias's is the sum over the active rows. Padding rows get and give nothing."""
+
+    @staticmethod
+    def forward(ctx, fast, geo, src, weight, bias):  # noqa: ANN001, ANN205
+        out = fast(src, weight, bias, None, None)
+        ctx.geo = geo
+        ctx.save_for_backward(src, weight, out)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        src, weight, out = ctx.saved_tensors
+        blist, stride, origin, extent, relu, zero = ctx.geo
+        need_src, need_w, need_b = ctx.needs_input_grad[2:]
+        valid = blist.valid.view(-1, 1, 1, 1)
+        g = torch.where(valid & (out > 0) if relu else valid, grad, 0)
+        if zero is not None and not relu:
+            g = g * level_valid(blist.indices, zero[0], zero[1], tuple(g.shape[2:]), zero[2]).to(g.dtype)
+        g = g.contiguous(memory_format=memory_format_of(out) or torch.contiguous_format)
+        kh, kw = int(weight.shape[2]), int(weight.shape[3])
+        dsrc = dw = db = None
+        if need_w:
+            dw = triton_blocks.block_conv_wgrad(src, blist.indices, blist.count, g, (kh, kw), stride=stride,
+                                                in_map=origin is not None, origin=origin or ((0, 0), (0, 0)))
+            dw = dw.to(weight.dtype)
+        if need_b:
+            db = g.sum((0, 2, 3), dtype=torch.promote_types(g.dtype, torch.float32))
+        if need_src:
+            win = extent if origin is not None else (int(src.shape[2]), int(src.shape[3]))
+            fmt = memory_format_of(src) or torch.contiguous_format
+            dwin = torch.empty((blist.capacity, int(src.shape[1]), *win), dtype=src.dtype, device=src.device,
+                               memory_format=fmt)
+            dwin = triton_blocks.block_conv_dgrad(g, blist.count, weight, dwin, stride=stride)
+            dsrc = dwin if origin is None else _gather_grad(dwin, blist.indices, src, origin)
+        return None, None, dsrc, dw, db
+
+
+def _gather_grad(dwin: torch.Tensor, indices: torch.Tensor, x: torch.Tensor, origin: Origin) -> torch.Tensor:
+    """The map's gradient from its windows' (``sparse_gather``'s backward: each window added at its place)."""
+    (mh, mw), (fh, fw) = origin
+    if _kernels_for(x.device):
+        return torch.ops.sbnet.sparse_gather_backward(dwin, indices, list(x.shape), [mh, mw], [-fh, -fw],
+                                                      memory_format_of(x) == torch.channels_last)
+    xs = torch.zeros_like(x).requires_grad_(True)
+    with torch.enable_grad():
+        blocks = _gather(xs, indices, tuple(dwin.shape[2:]), origin)
+    return torch.autograd.grad(blocks, xs, dwin)[0]
+
+
 def _grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -156,7 +214,10 @@ def conv_blocks(src: torch.Tensor, blist: BlockList, weight: torch.Tensor, bias:
                                         in_map=origin is not None, origin=origin or ((0, 0), (0, 0)),
                                         pre=None if ps is None else (ps, pt), relu=relu, zero=zero)
 
-    if grad:
+    if grad and pre is None:
+        return _FusedConv.apply(fast, (blist, stride, origin, e if origin is not None else None, relu, zero), src,
+                                weight, bias)
+    if grad:  # the input affine (a pre-activation unit's BN in eval mode) under autograd: the composition's
         return _ViaComposition.apply(fast, slow, *tensors)
     return fast(*tensors)
 

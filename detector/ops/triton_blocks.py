@@ -29,9 +29,9 @@ import os
 
 import torch
 
-__all__ = ["available", "block_conv"]
+__all__ = ["available", "block_conv", "block_conv_dgrad", "block_conv_wgrad"]
 
-_KERNELS: dict[bool, object] = {}
+_KERNELS: dict[tuple[str, bool], object] = {}
 
 
 def available() -> bool:
@@ -49,8 +49,8 @@ def _interpreting() -> bool:
 
 def _kernel():
     interp = _interpreting()
-    if interp in _KERNELS:
-        return _KERNELS[interp]
+    if ("fwd", interp) in _KERNELS:
+        return _KERNELS["fwd", interp]
     import triton
     import triton.language as tl
 
@@ -141,8 +141,8 @@ def _kernel():
                 tl.store(out + k.to(tl.int64) * o_n + rn[None, :] * o_c + oy[:, None] * o_h + ox[:, None] * o_w,
                          acc.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
-    _KERNELS[interp] = triton.jit(_block_conv)
-    return _KERNELS[interp]
+    _KERNELS["fwd", interp] = triton.jit(_block_conv)
+    return _KERNELS["fwd", interp]
 
 
 def _pow2(v: int, lo: int, hi: int) -> int:
@@ -202,3 +202,166 @@ def block_conv(src: torch.Tensor, indices: torch.Tensor, count: torch.Tensor, we
         BM=bm, BN=bn, BK=bk, M_TILES=m_tiles,
     )
     return out
+
+
+def _grad_kernels():
+    """The backward's two kernels (:func:`block_conv_dgrad`, :func:`block_conv_wgrad`), decorated on first use."""
+    interp = _interpreting()
+    if ("bwd", interp) in _KERNELS:
+        return _KERNELS["bwd", interp]
+    import triton
+    import triton.language as tl
+
+    def _dgrad(
+        g, g_n, g_c, g_h, g_w, cnt, w, out, o_n, o_c, o_h, o_w,
+        CI, CO, OH, OW, PH, PW,
+        KH: tl.constexpr, KW: tl.constexpr, STRIDE: tl.constexpr, UPCAST: tl.constexpr, F64: tl.constexpr,
+        PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, M_TILES: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        k = pid // M_TILES
+        mt = pid % M_TILES
+        count = tl.load(cnt)
+        rm = mt * BM + tl.arange(0, BM)
+        m_ok = rm < PH * PW
+        py = rm // PW
+        px = rm % PW
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        n_ok = rn < CI
+        acc = tl.full((BM, BN), 0.0, dtype=tl.float64 if F64 else tl.float32)
+        if k < count:  # a padding row's gradient is zero (written below, never left unwritten)
+            for ky in tl.static_range(KH):
+                for kx in tl.static_range(KW):
+                    ty = py - ky
+                    tx = px - kx
+                    qy = ty // STRIDE
+                    qx = tx // STRIDE
+                    ok = m_ok & (ty >= 0) & (tx >= 0) & (qy * STRIDE == ty) & (qx * STRIDE == tx) & (qy < OH)
+                    ok = ok & (qx < OW)
+                    for c0 in range(0, CO, BK):
+                        rc = c0 + tl.arange(0, BK)
+                        c_ok = rc < CO
+                        a = tl.load(g + k.to(tl.int64) * g_n + rc[None, :] * g_c + qy[:, None] * g_h
+                                    + qx[:, None] * g_w, mask=ok[:, None] & c_ok[None, :], other=0.0)
+                        b = tl.load(w + ((ky * KW + kx) * CO + rc)[:, None] * CI + rn[None, :],
+                                    mask=c_ok[:, None] & n_ok[None, :], other=0.0)
+                        if UPCAST:
+                            acc += tl.dot(a.to(acc.dtype), b.to(acc.dtype))
+                        else:
+                            acc += tl.dot(a, b, input_precision=PREC)
+        tl.store(out + k.to(tl.int64) * o_n + rn[None, :] * o_c + py[:, None] * o_h + px[:, None] * o_w,
+                 acc.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    def _wgrad(
+        src, s_n, s_c, s_h, s_w, idx, cnt, g, g_n, g_c, g_h, g_w, part,
+        CI, CO, SH, SW, OH, OW, PER,
+        in_mul_h, in_off_h, in_mul_w, in_off_w,
+        KH: tl.constexpr, KW: tl.constexpr, STRIDE: tl.constexpr, IN_MAP: tl.constexpr, UPCAST: tl.constexpr,
+        F64: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BI: tl.constexpr,
+        CI_TILES: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        kk = pid // CI_TILES
+        ky = kk // KW
+        kx = kk % KW
+        ri = (pid % CI_TILES) * BI + tl.arange(0, BI)
+        i_ok = ri < CI
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        n_ok = rn < CO
+        split = tl.program_id(2)
+        count = tl.load(cnt)
+        lo = split * PER
+        hi = tl.minimum(lo + PER, count)
+        acc = tl.full((BI, BN), 0.0, dtype=tl.float64 if F64 else tl.float32)
+        zero64 = (split * 0).to(tl.int64)  # the row's offsets in 64 bits (the loop index is a plain int interpreted)
+        for k in range(lo, hi):
+            k64 = zero64 + k
+            if IN_MAP:
+                n = tl.load(idx + k * 3).to(tl.int64)
+                base = src + n * s_n
+                y0 = tl.load(idx + k * 3 + 1) * in_mul_h - in_off_h
+                x0 = tl.load(idx + k * 3 + 2) * in_mul_w - in_off_w
+            else:
+                base = src + k64 * s_n
+                y0 = 0
+                x0 = 0
+            for m0 in range(0, OH * OW, BM):
+                rm = m0 + tl.arange(0, BM)
+                m_ok = rm < OH * OW
+                oy = rm // OW
+                ox = rm % OW
+                iy = y0 + oy * STRIDE + ky
+                ix = x0 + ox * STRIDE + kx
+                pix_ok = m_ok
+                if IN_MAP:
+                    pix_ok = pix_ok & (iy >= 0) & (iy < SH) & (ix >= 0) & (ix < SW)
+                a = tl.load(base + ri[:, None] * s_c + iy[None, :] * s_h + ix[None, :] * s_w,
+                            mask=i_ok[:, None] & pix_ok[None, :], other=0.0)
+                b = tl.load(g + k64 * g_n + rn[None, :] * g_c + oy[:, None] * g_h + ox[:, None] * g_w,
+                            mask=m_ok[:, None] & n_ok[None, :], other=0.0)
+                if UPCAST:
+                    acc += tl.dot(a.to(acc.dtype), b.to(acc.dtype))
+                else:
+                    acc += tl.dot(a, b, input_precision=PREC)
+        tl.store(part + (split * KH * KW + kk) * CI * CO + ri[:, None] * CO + rn[None, :], acc,
+                 mask=i_ok[:, None] & n_ok[None, :])
+
+    _KERNELS["bwd", interp] = (triton.jit(_dgrad), triton.jit(_wgrad))
+    return _KERNELS["bwd", interp]
+
+
+def _precision(dtype: torch.dtype) -> tuple[bool, bool, str]:
+    f64 = dtype == torch.float64
+    return _interpreting() or f64, f64, "tf32" if torch.backends.cudnn.allow_tf32 else "ieee"
+
+
+def block_conv_dgrad(grad: torch.Tensor, count: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
+                     stride: int) -> torch.Tensor:
+    """The gradient of :func:`block_conv`'s source window from the gradient of its convolution's output
+    ``grad [capacity, CO, OH, OW]`` (the epilogue's ReLU and zeroing already applied to it): the transposed
+    convolution, written into ``out [capacity, CI, PH, PW]`` (the window; zeros at padding rows and where no
+    output pixel reads a window pixel). One program per (row, pixel tile, channel tile)."""
+    cap, co, oh, ow = (int(v) for v in grad.shape)
+    _, ci, kh, kw = (int(v) for v in weight.shape)
+    ph, pw = int(out.shape[2]), int(out.shape[3])
+    if cap == 0:
+        return out
+    upcast, f64, prec = _precision(grad.dtype)
+    w = weight.permute(2, 3, 0, 1).reshape(kh * kw * co, ci).to(grad.dtype).contiguous()
+    m = ph * pw
+    bm, bn, bk = _pow2(m, 16, 64), _pow2(ci, 16, 64), _pow2(co, 16, 32)
+    m_tiles = -(-m // bm)
+    _grad_kernels()[0][(cap * m_tiles, -(-ci // bn))](
+        grad, *grad.stride(), count, w, out, *out.stride(), ci, co, oh, ow, ph, pw,
+        KH=kh, KW=kw, STRIDE=stride, UPCAST=upcast, F64=f64, PREC=prec, BM=bm, BN=bn, BK=bk, M_TILES=m_tiles,
+    )
+    return out
+
+
+def block_conv_wgrad(src: torch.Tensor, indices: torch.Tensor, count: torch.Tensor, grad: torch.Tensor,
+                     kernel: tuple[int, int], *, stride: int, in_map: bool,
+                     origin: tuple[tuple[int, int], tuple[int, int]] = ((0, 0), (0, 0)), splits: int = 32
+                     ) -> torch.Tensor:
+    """The gradient of :func:`block_conv`'s weight, ``[CO, CI, KH, KW]`` in float32 (float64 for float64 data):
+    the sum over the list's active rows and output pixels of the source window times ``grad [capacity, CO, OH,
+    OW]``. The rows are cut into ``splits`` runs, each summed by its own programs into a partial; the partials are
+    then added by one reduction: no atomics, so the result does not depend on scheduling (deterministic)."""
+    cap, co, oh, ow = (int(v) for v in grad.shape)
+    ci = int(src.shape[1])
+    kh, kw = kernel
+    upcast, f64, prec = _precision(src.dtype)
+    acc = torch.float64 if f64 else torch.float32
+    splits = max(1, min(splits, cap))
+    per = -(-cap // splits) if cap else 0
+    part = torch.zeros((splits, kh * kw, ci, co), dtype=acc, device=src.device)
+    if cap:
+        bi, bn, bm = _pow2(ci, 16, 32), _pow2(co, 16, 64), _pow2(oh * ow, 16, 64)
+        ci_tiles = -(-ci // bi)
+        (mh, mw), (fh, fw) = origin
+        _grad_kernels()[1][(kh * kw * ci_tiles, -(-co // bn), splits)](
+            src, *src.stride(), indices, count, grad, *grad.stride(), part,
+            ci, co, int(src.shape[2]), int(src.shape[3]), oh, ow, per, mh, fh, mw, fw,
+            KH=kh, KW=kw, STRIDE=stride, IN_MAP=in_map, UPCAST=upcast, F64=f64, PREC=prec, BM=bm, BN=bn, BI=bi,
+            CI_TILES=ci_tiles,
+        )
+    return part.sum(0).view(kh, kw, ci, co).permute(3, 2, 0, 1)

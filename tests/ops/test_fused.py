@@ -7,7 +7,8 @@ Cases: NCHW and channels-last maps, float32 (rtol = atol = 1e-5: only the summat
 ulp is 0.06; both sides round their float32 sums to bfloat16, oneDNN's convolution in its own order), every border (an
 all-ones mask activates the tiles at the map's edges; halos reach past them), K = 0, padded capacity (rows past
 the count), outputs poisoned with NaN before each run so that an element the kernel fails to write shows.
-Backward: the kernel's forward with the composition's backward, gradcheck in float64 (fast mode, tiny shapes).
+Backward: the kernel's fused backward (dgrad and wgrad kernels) against the composition's autograd (float64 to 1e-10,
+float32 1e-4, bfloat16 rtol 5e-2 / atol 0.2), gradcheck in float64 (fast mode, tiny shapes).
 Without triton the module skips (triton is not a dependency of the CPU install; CUDA builds of torch ship it).
 """
 
@@ -137,9 +138,10 @@ def _grads(fn, *args):
     return out, torch.autograd.grad(out, args, g)
 
 
-def test_backward_via_the_composition(monkeypatch):
-    """The kernel's forward under autograd gives the composition's output and gradients (its backward), and the
-    composition's gradients are right (gradcheck, float64)."""
+def test_unit_backward_through_the_kernels(monkeypatch):
+    """A unit on the kernels under autograd (the first conv's fused backward, the scattering conv's backward by the
+    composition) gives the composition's output and gradients, and the composition's gradients are right
+    (gradcheck, float64)."""
     bl, _ = _blist(0.8, 6, bsize=6, ksize=3)
     g = torch.Generator().manual_seed(7)
     args = (torch.randn(N, 2, H, W, generator=g, dtype=torch.float64),
@@ -189,3 +191,95 @@ def test_gpu_kernel_vs_composition(dtype, monkeypatch):
     want, got = _both(monkeypatch, run)
     torch.testing.assert_close(got[0][:k], want[0][:k], **tol)
     torch.testing.assert_close(got[1], want[1], **tol)
+
+
+# the fused backward: (source, window extent, kernel, stride, origin) of conv_blocks
+GRAD_CASES = {
+    "map-3x3-halo": dict(src="map", extent=(6, 6), k=3, stride=1, origin=((4, 4), (1, 1))),
+    "map-3x3-stride2": dict(src="map", extent=(9, 9), k=3, stride=2, origin=((8, 8), (1, 1))),
+    "map-1x1-stride2": dict(src="map", extent=(7, 7), k=1, stride=2, origin=((8, 8), (0, 0))),
+    "blocks-3x3": dict(src="blocks", extent=(6, 6), k=3, stride=1, origin=None),
+    "blocks-3x3-stride2": dict(src="blocks", extent=(7, 7), k=3, stride=2, origin=None),
+}
+GRAD_TOL = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-4, atol=1e-4),
+            torch.bfloat16: dict(rtol=5e-2, atol=2e-1)}
+
+
+GRAD_DATA = {"float64-nchw-some": (torch.float64, "nchw", SOME), "float32-nhwc-all": (torch.float32, "nhwc", ALL),
+             "bfloat16-nhwc-some": (torch.bfloat16, "nhwc", SOME), "float32-nchw-none": (torch.float32, "nchw", NONE)}
+# make test runs each geometry once (every dtype, layout, epilogue and count among them; ~30 s interpreted), the
+# slow run the whole product
+GRAD_QUICK = {("map-3x3-halo", "float64-nchw-some", "relu-zero"), ("map-3x3-stride2", "float32-nhwc-all", "bias"),
+              ("blocks-3x3", "bfloat16-nhwc-some", "relu-zero"),
+              ("blocks-3x3-stride2", "float32-nhwc-all", "relu-zero"),
+              ("map-1x1-stride2", "float64-nchw-some", "bias"), ("map-3x3-halo", "float32-nchw-none", "relu-zero")}
+GRAD_PARAMS = [pytest.param(c, d, e, id=f"{e}-{d}-{c}",
+                            marks=() if (c, d, e) in GRAD_QUICK else pytest.mark.slow)
+               for c in GRAD_CASES for d in GRAD_DATA for e in ("relu-zero", "bias")]
+
+
+@pytest.mark.parametrize("case,data,epilogue", GRAD_PARAMS)
+def test_fused_backward_equals_the_composition(case, data, epilogue, monkeypatch):
+    """conv_blocks' backward on the kernel's path (the dgrad and wgrad kernels) gives the composition's gradients
+    of the source (a map: scatter-added windows; or blocks), the weight and the bias, when the rows past the count
+    get no gradient from downstream (as on the capacity path, whose scatter takes nothing from them); a NaN sent
+    to those rows changes nothing (they give nothing back)."""
+    c = GRAD_CASES[case]
+    dtype, layout, pcap = GRAD_DATA[data]
+    bl, _ = _blist(*pcap)
+    g = torch.Generator().manual_seed(11)
+    fmt = LAYOUTS[layout]
+    if c["src"] == "map":
+        src = torch.randn(N, 5, H, W, generator=g, dtype=torch.float64).to(dtype).contiguous(memory_format=fmt)
+    else:
+        src = torch.randn(bl.capacity, 5, *c["extent"], generator=g, dtype=torch.float64).to(dtype)
+        src = src.contiguous(memory_format=fmt)
+    w = torch.randn(7, 5, c["k"], c["k"], generator=g, dtype=torch.float64).to(dtype)
+    b = torch.randn(7, generator=g, dtype=torch.float64).to(dtype) if epilogue == "bias" else None
+    relu, zero = epilogue == "relu-zero", ((4, 4), (0, 0), (H, W)) if epilogue == "relu-zero" else None
+    oh = (c["extent"][0] - c["k"]) // c["stride"] + 1
+    up = torch.randn(bl.capacity, 7, oh, oh, generator=g, dtype=torch.float64).to(dtype)
+    up = torch.where(bl.valid.view(-1, 1, 1, 1), up, 0)
+
+    def run(upstream):  # noqa: ANN001, ANN202
+        args = [t.detach().clone().requires_grad_(True) for t in (src, w)] + (
+            [b.detach().clone().requires_grad_(True)] if b is not None else [])
+        out = fused.conv_blocks(args[0], bl, args[1], args[2] if b is not None else None, stride=c["stride"],
+                                origin=c["origin"], extent=c["extent"] if c["origin"] else None, relu=relu, zero=zero)
+        return torch.autograd.grad(out, args, upstream)
+
+    (want, got) = _both(monkeypatch, lambda: run(up))
+    for a, e in zip(got, want, strict=True):
+        torch.testing.assert_close(a, e, **GRAD_TOL[dtype])
+    if int(bl.count) < bl.capacity:
+        nan_up = torch.where(bl.valid.view(-1, 1, 1, 1), up, float("nan"))
+        for a, e in zip(run(nan_up), want, strict=True):
+            torch.testing.assert_close(a, e, **GRAD_TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", list(GRAD_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_fused_backward_vs_composition(case, dtype, monkeypatch):
+    """On the GPU (compiled triton): conv_blocks' fused backward against the composition's, random data, 48 rows."""
+    monkeypatch.delenv("TRITON_INTERPRET")
+    dev, c = torch.device("cuda"), GRAD_CASES[case]
+    bl, _ = _blist(0.7, 48)
+    bl = type(bl)(bl.indices.to(dev), bl.count.to(dev), bl.block)
+    g = torch.Generator(device=dev).manual_seed(0)
+    shape = (N, 32, H, W) if c["src"] == "map" else (bl.capacity, 32, *c["extent"])
+    src = torch.randn(shape, generator=g, device=dev).to(dtype).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(48, 32, c["k"], c["k"], generator=g, device=dev).to(dtype) * 0.1
+    oh = (c["extent"][0] - c["k"]) // c["stride"] + 1
+    up = torch.where(bl.valid.view(-1, 1, 1, 1), torch.randn(bl.capacity, 48, oh, oh, generator=g, device=dev), 0)
+
+    def run():  # noqa: ANN202
+        args = [t.detach().clone().requires_grad_(True) for t in (src, w)]
+        out = fused.conv_blocks(args[0], bl, args[1], None, stride=c["stride"], origin=c["origin"],
+                                extent=c["extent"] if c["origin"] else None, relu=True)
+        return torch.autograd.grad(out, args, up.to(dtype))
+
+    want, got = _both(monkeypatch, run)
+    for a, e in zip(got, want, strict=True):
+        torch.testing.assert_close(a.float(), e.float(), rtol=3e-2, atol=3e-2 * float(e.abs().max()))
