@@ -43,6 +43,7 @@ from detector.models.mask_quality import class_boxes
 from detector.models.mask_schedule import MaskSchedule
 from detector.models.targets import BoxCoder
 from detector.nn.capacity import StageCapacity, chain_list, decide_lists, forward_capacity, rerun_warning, run_chain
+from detector.nn.capture import capture_training
 from detector.nn.chain import SparseConvChain
 from detector.nn.graphs import GraphCache
 from detector.nn.norm import needs_sync
@@ -94,6 +95,20 @@ class TopDownNeck(nn.Module):
         return x
 
 
+class _ListNetwork(nn.Module):
+    """``det``'s network on the capacity path at fixed modes and capacities, as a module (what
+    :func:`~detector.nn.capture.capture_training` captures): (heatmap logits, regression, overflow flag)."""
+
+    def __init__(self, det: BevDetector, modes: Sequence[int | str], caps: Sequence) -> None:
+        super().__init__()
+        self.det, self.modes, self.caps = det, list(modes), list(caps)
+        self.training = det.training  # its own flag only: the graphs are of this state
+
+    def forward(self, bev: torch.Tensor, mask: torch.Tensor, *level_masks: torch.Tensor):  # noqa: ANN201
+        heat, reg, overflow, _ = self.det.capacity_maps(bev, mask, level_masks, self.modes, self.caps)
+        return heat, reg, overflow
+
+
 def masks_at_strides(mask: torch.Tensor, strides: Sequence[int]) -> list[torch.Tensor]:
     """The computation mask at each of ``strides`` (powers of 2), downsampled as the backbone's stages
     downsample it."""
@@ -143,6 +158,8 @@ class BevDetector(nn.Module):
         inference_path: the sparse path of inference (module docstring): ``auto`` (capacity on a GPU, exact on the
             CPU), ``exact`` or ``capacity``.
         train_path: the sparse path of training (and of any forward under autograd), the same values.
+        capture_train: on a GPU, a training step on the capacity path runs its network's forward and backward as
+            CUDA graphs, one pair per (shape, plan, buckets) seen twice (:func:`~detector.nn.capture.capture_training`).
     """
 
     def __init__(
@@ -163,6 +180,7 @@ class BevDetector(nn.Module):
         mask_loss_weight: float = 1.0,
         inference_path: str = "auto",
         train_path: str = "auto",
+        capture_train: bool = False,
     ):
         super().__init__()
         if mask_net is not None and mask_schedule is None:
@@ -193,6 +211,8 @@ class BevDetector(nn.Module):
         self.inference_path = inference_path
         self.train_path = train_path
         self.graphs = GraphCache()  # the capacity path's captured graphs (CUDA)
+        self.capture_train = bool(capture_train)
+        self.train_graphs = GraphCache(max_graphs=8, capturer=capture_training, after=2)
 
     def extra_repr(self) -> str:
         g = self.grid
@@ -370,7 +390,11 @@ class BevDetector(nn.Module):
         t = time.perf_counter() if self.timing else 0.0
         modes, caps, plan = self.capacity_plan(tuple(bev.shape), mask, level_masks)
         t = self._tick(times, "plan", t)
-        if self.training or torch.is_grad_enabled():
+        if self.training and self.capture_train and bev.is_cuda:
+            key = (tuple(bev.shape), bev.dtype, bev.device, tuple(modes), tuple(caps))
+            run = self.train_graphs.get(key, _ListNetwork(self, modes, caps), bev, mask, *level_masks)
+            (heat, reg, overflow), counts = run(bev, mask, *level_masks), None
+        elif self.training or torch.is_grad_enabled():
             heat, reg, overflow, counts = self.capacity_maps(bev, mask, level_masks, modes, caps)
         else:
             key = (tuple(bev.shape), bev.dtype, bev.device, tuple(modes), tuple(caps))
@@ -378,9 +402,9 @@ class BevDetector(nn.Module):
                                   *level_masks)
             heat, reg, overflow, counts = run(bev, mask, *level_masks)
         if bool(overflow) and self.training:
+            found = "" if counts is None else f" {[[int(c) for c in cs] for cs in counts]}"
             raise RuntimeError(f"capacity path: the block lists {caps} hold fewer rows than the batch's active "
-                               f"blocks {[[int(c) for c in cs] for cs in counts]}; no block may be dropped "
-                               "(model.train_path=exact runs without lists)")
+                               f"blocks{found}; no block may be dropped (model.train_path=exact runs without lists)")
         if not self.training and bool(overflow):
             modes, new_caps, _ = self.capacity_plan(tuple(bev.shape), mask, level_masks, modes)
             rerun_warning(counts, caps, new_caps)
@@ -392,6 +416,7 @@ class BevDetector(nn.Module):
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202
         self.graphs.clear()  # .to() / .half() move the tensors a captured graph reads
+        self.train_graphs.clear()
         return super()._apply(fn, recurse)
 
     # --- training -----------------------------------------------------------------------------------

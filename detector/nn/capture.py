@@ -3,6 +3,10 @@
     g = capture(fn, *inputs)     # fn(*inputs) warmed up twice off the capture stream, then captured
     out = g(*new_inputs)         # the new inputs copied into the graph's own, the graph replayed
 
+    g = capture_training(module, *inputs)   # module's forward and its backward, two graphs in one autograd node
+    out = g(*new_inputs); loss(out).backward()  # (torch.cuda.make_graphed_callables); parameters' gradients
+                                                # accumulate as usual, buffers (BN running statistics) update per call
+
 The inputs must keep their shapes and dtypes, and ``fn`` must make no host read (no ``.item()``, ``nonzero``, a
 Python branch on a tensor): the capacity path (:mod:`detector.nn.capacity`) and the dense network qualify. A
 replay's outputs are the graph's own tensors, overwritten by its next replay. On a CPU tensor ``capture`` returns
@@ -15,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["capture"]
+__all__ = ["capture", "capture_training"]
 
 
 class _Graph:
@@ -46,3 +50,36 @@ def capture(fn: Callable, *inputs: torch.Tensor, warmup: int = 2) -> Callable:
     if not inputs[0].is_cuda:
         return fn
     return _Graph(fn, inputs, warmup)
+
+
+def _autocast_uncached():  # noqa: ANN202
+    """Within an autocast region, the same autocast without its weight-cast cache (graphs cannot capture it);
+    elsewhere nothing."""
+    import contextlib
+
+    if torch.is_autocast_enabled("cuda"):
+        return torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
+    return contextlib.nullcontext()
+
+
+def capture_training(module: torch.nn.Module, *inputs: torch.Tensor, warmup: int = 3) -> Callable:
+    """``module`` (in its current training state, no hooks) captured forward and backward on ``inputs``: a call
+    runs the forward graph and adds one autograd node whose backward replays the backward graph. The warm-up calls
+    (``warmup``, off the capture stream) would update the module's buffers (batch norm's running statistics):
+    they are put back as they were, so each later call updates them once, as an eager step does. Under autocast
+    the calls run without its cache. On a CPU tensor, ``module`` itself."""
+    if not inputs[0].is_cuda:
+        return module
+    saved = [b.detach().clone() for b in module.buffers()]
+    with _autocast_uncached():
+        graphed = torch.cuda.make_graphed_callables(module, tuple(inputs), num_warmup_iters=warmup,
+                                                    allow_unused_input=True)
+    with torch.no_grad():
+        for b, s in zip(module.buffers(), saved, strict=True):
+            b.copy_(s)
+
+    def run(*args: torch.Tensor):  # noqa: ANN202
+        with _autocast_uncached():
+            return graphed(*args)
+
+    return run

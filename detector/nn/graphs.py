@@ -32,38 +32,47 @@ __all__ = ["CapturedBackbone", "DenseRunner", "GraphCache", "capture"]
 
 
 class GraphCache:
-    """Captured calls by key, the most recent ``max_graphs`` kept (the oldest dropped). Copies of a module that
-    holds one (``deepcopy``, pickling) start empty: a graph belongs to the tensors it was captured on."""
+    """Captured calls by key, the most recent ``max_graphs`` kept (the oldest dropped); ``capturer``:
+    :func:`capture` (inference) or :func:`~detector.nn.capture.capture_training` (forward and backward). A key is
+    captured at its ``after``-th use (the earlier ones run ``fn`` as it is: a key seen once is not worth a capture's
+    warm-up). Copies of a module that holds one (``deepcopy``, pickling) start empty: a graph belongs to the tensors
+    it was captured on."""
 
-    def __init__(self, max_graphs: int = 16) -> None:
-        self.max_graphs = max_graphs
+    def __init__(self, max_graphs: int = 16, capturer: Callable = capture, after: int = 1) -> None:
+        self.max_graphs, self.capturer, self.after = max_graphs, capturer, after
         self.graphs: OrderedDict[tuple, Callable] = OrderedDict()
+        self.uses: dict[tuple, int] = {}
 
     def get(self, key: tuple, fn: Callable, *inputs: torch.Tensor) -> Callable:
-        """The graph of ``key``: ``fn`` captured on ``inputs`` at first use (:func:`capture`; on the CPU ``fn``)."""
+        """The graph of ``key``: ``fn`` captured on ``inputs`` at its ``after``-th use (on the CPU ``fn``)."""
         g = self.graphs.get(key)
-        if g is None:
-            g = self.graphs[key] = capture(fn, *inputs)
-            while len(self.graphs) > self.max_graphs:
-                self.graphs.popitem(last=False)
-        else:
+        if g is not None:
             self.graphs.move_to_end(key)
+            return g
+        self.uses[key] = self.uses.get(key, 0) + 1
+        if self.uses[key] < self.after:
+            return fn
+        del self.uses[key]
+        g = self.graphs[key] = self.capturer(fn, *inputs)
+        while len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)
         return g
 
     def clear(self) -> None:
         self.graphs.clear()
+        self.uses.clear()
 
     def __len__(self) -> int:
         return len(self.graphs)
 
     def __deepcopy__(self, memo: dict) -> GraphCache:
-        return GraphCache(self.max_graphs)
+        return GraphCache(self.max_graphs, self.capturer, self.after)
 
     def __getstate__(self) -> dict:
-        return {"max_graphs": self.max_graphs}
+        return {"max_graphs": self.max_graphs, "capturer": self.capturer, "after": self.after}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["max_graphs"])
+        self.__init__(state["max_graphs"], state.get("capturer", capture), state.get("after", 1))
 
 
 class CapturedBackbone:

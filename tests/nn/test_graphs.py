@@ -77,3 +77,63 @@ def test_graph_replay_equals_eager(dtype):
     for a, b in zip(dense(x), want, strict=True):
         torch.testing.assert_close(a, b, **tol)
 
+
+
+def test_cache_captures_a_key_at_its_after_th_use():
+    """GraphCache(after=2): a key's first use runs the call as it is, its second captures it, later ones replay the
+    capture; keys are counted apart; clear() forgets the counts too."""
+    from detector.nn.graphs import GraphCache
+
+    captured = []
+
+    def capturer(fn, *inputs):  # noqa: ANN001, ANN202
+        captured.append(inputs)
+        return lambda *a: ("graph", fn(*a))
+
+    cache = GraphCache(capturer=capturer, after=2)
+    fn = lambda a: a + 1  # noqa: E731
+    one = torch.ones(1)
+    assert cache.get("a", fn, one) is fn and not captured and len(cache) == 0
+    assert cache.get("b", fn, one) is fn
+    assert cache.get("a", fn, one)(one)[0] == "graph" and len(captured) == 1 and len(cache) == 1
+    assert cache.get("a", fn, one)(one)[0] == "graph" and len(captured) == 1  # replayed, not captured again
+    cache.clear()
+    assert cache.get("b", fn, one) is fn  # its earlier use was forgotten
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_training_step_equals_eager():
+    """model.capture_train on the GPU: the steps on one (shape, plan, buckets) - eager, captured at its second use,
+    then replayed - give the eager twin's loss, gradients, running statistics and (after SGD) weights."""
+    import copy
+
+    from tests.models.test_capacity_path import _mask, _model
+    from tests.models.test_detector import _batch
+
+    dev = torch.device("cuda")
+    eager = _model(8, 16).to(dev).train()
+    graphed = copy.deepcopy(eager)
+    for m in (eager, graphed):
+        m.train_path = "capacity"
+    graphed.capture_train = True
+    opts = [torch.optim.SGD(m.parameters(), lr=1e-2) for m in (eager, graphed)]
+    batch = _batch(2).to(dev)
+    batch.mask = _mask("patch").to(dev)
+    tol = dict(rtol=2e-3, atol=2e-3)  # tf32 dots
+    for _ in range(4):
+        losses = []
+        for m, opt in zip((eager, graphed), opts, strict=True):
+            opt.zero_grad(set_to_none=True)
+            loss, _ = m.loss(m(batch), batch)
+            loss.backward()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0], **tol)
+        for (name, a), b in zip(graphed.named_parameters(), eager.parameters(), strict=True):
+            if b.grad is not None:
+                torch.testing.assert_close(a.grad, b.grad, **tol, msg=name)
+        for opt in opts:
+            opt.step()
+        for (name, a), b in zip(graphed.named_buffers(), eager.buffers(), strict=True):
+            torch.testing.assert_close(a, b, **tol, msg=name)
+    assert len(graphed.train_graphs) == 1
