@@ -12,9 +12,9 @@
 - ``backbone``: the default model's backbone at bev=kitti (36 x 800 x 704), a blob mask (about a quarter of the map)
   at tile 16: dense eager / captured / compiled vs the capacity path captured (the plan's read and the overflow
   read included), per batch.
-- ``train``: one training step (forward + backward + SGD) of that backbone at batch 8: dense (eager, graphed, compiled) vs the
-  exact sparse path and the capacity path (eager with its plan read; forward and backward captured as graphs,
-  ``model.capture_train``; compiled) at tile 16.
+- ``train``: one training step (forward + backward + SGD) of that backbone at batch 8: dense (eager, graphed,
+  compiled) vs the exact sparse path and the capacity path (eager with its plan read; forward and backward captured
+  as graphs, ``model.capture_train``; compiled) at tile 16.
 - ``profile``: kernels (CUDA kernel events) and host syncs (``torch.cuda.set_sync_debug_mode``'s warnings) per
   forward of the backbone: dense, exact sparse, capacity eager, capacity captured (one graph launch).
 
