@@ -20,10 +20,10 @@ One op, two paths by device: on CUDA with triton, the kernel of :mod:`detector.o
 each, the gather and the scatter fused in; padding rows skipped by the device-side count); elsewhere (the CPU:
 its oneDNN convolutions and the compiled gather/scatter kernels stay the CPU path) the composition of
 ``sparse_gather``, ``F.conv2d`` and :func:`~detector.ops.capacity.scatter_padded`. Backward: the composition's
-autograd on the CPU; on the kernel's path :func:`conv_blocks` has a fused backward (two kernels: the transposed
-convolution into the source window, scatter-added into a map source by the gather's backward, and the weight's
-gradient, summed in deterministic runs of rows), while :func:`conv_scatter` and a ``pre`` affine recompute the
-composition and take its backward.
+autograd on the CPU; on the kernel's path both ops have a fused backward (two kernels: the transposed convolution
+into the source window - scatter-added into a map source by the gather's backward - and the weight's gradient,
+summed in deterministic runs of rows), except :func:`conv_blocks` with a ``pre`` affine, which recomputes the
+composition and takes its backward.
 ``DETECTOR_FUSED=triton`` forces the kernel on any device (with ``TRITON_INTERPRET=1``: on the CPU, the tests),
 ``DETECTOR_FUSED=torch`` the composition.
 """
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from . import triton_blocks
-from .capacity import BlockList, level_valid, scatter_padded
+from .capacity import BlockList, gather_tiles, level_valid, scatter_padded
 from .formulas import memory_format_of
 from .functional import _kernels_for
 
@@ -164,6 +164,49 @@ class _FusedConv(torch.autograd.Function):
         return None, None, dsrc, dw, db
 
 
+class _FusedScatter(torch.autograd.Function):
+    """:func:`conv_scatter`'s kernel forward and its fused backward: the map's gradient at each active row's tile
+    (:func:`~detector.ops.capacity.gather_tiles`; zero past the map), through the ReLU where the written output is
+    positive, gives the convolution's output gradient ``g``; then the blocks' (the dgrad kernel), the weight's (the
+    wgrad kernel), the bias's and a residual tensor's (``g``); the base map's is the map's gradient with the active
+    tiles replaced by ``g`` (``residual="map"``: the tile added the base's value) or by zeros (overwritten)."""
+
+    @staticmethod
+    def forward(ctx, fast, geo, blocks, weight, bias, base, res):  # noqa: ANN001, ANN205
+        out = fast(blocks, weight, bias, base, res)
+        ctx.geo = geo
+        ctx.save_for_backward(blocks, weight, out)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        blocks, weight, out = ctx.saved_tensors
+        blist, tile, relu, residual_map = ctx.geo
+        need_blocks, need_w, need_b, need_base, need_res = ctx.needs_input_grad[2:]
+        fmt = memory_format_of(out) or torch.contiguous_format
+        grad = grad.contiguous(memory_format=fmt)
+        valid = blist.valid.view(-1, 1, 1, 1)
+        g = gather_tiles(grad, blist.indices, tile)
+        keep = valid & (gather_tiles(out, blist.indices, tile) > 0) if relu else valid
+        g = torch.where(keep, g, 0).contiguous(memory_format=fmt)
+        dblocks = dw = db = dbase = None
+        if need_blocks:
+            dblocks = torch.empty(blocks.shape, dtype=blocks.dtype, device=blocks.device,
+                                  memory_format=memory_format_of(blocks) or torch.contiguous_format)
+            dblocks = triton_blocks.block_conv_dgrad(g, blist.count, weight, dblocks, stride=1)
+        if need_w:
+            dw = triton_blocks.block_conv_wgrad(blocks, blist.indices, blist.count, g,
+                                                (int(weight.shape[2]), int(weight.shape[3])), stride=1,
+                                                in_map=False).to(weight.dtype)
+        if need_b:
+            db = g.sum((0, 2, 3), dtype=torch.promote_types(g.dtype, torch.float32))
+        if need_base:
+            dbase = scatter_padded(g if residual_map else torch.zeros_like(g), blist, grad.clone(memory_format=fmt),
+                                   add=False, relu=False, inplace=True)
+        return None, None, dblocks, dw, db, dbase, g if need_res else None
+
+
 def _gather_grad(dwin: torch.Tensor, indices: torch.Tensor, x: torch.Tensor, origin: Origin) -> torch.Tensor:
     """The map's gradient from its windows' (``sparse_gather``'s backward: each window added at its place)."""
     (mh, mw), (fh, fw) = origin
@@ -249,5 +292,5 @@ def conv_scatter(blocks: torch.Tensor, blist: BlockList, weight: torch.Tensor, b
                                         residual_map=_is_map(residual))
 
     if grad:
-        return _ViaComposition.apply(fast, slow, blocks, weight, bias, out, res_t)
+        return _FusedScatter.apply(fast, (blist, tile, relu, _is_map(residual)), blocks, weight, bias, out, res_t)
     return fast(blocks, weight, bias, out, res_t)

@@ -257,6 +257,38 @@ def test_fused_backward_equals_the_composition(case, data, epilogue, monkeypatch
             torch.testing.assert_close(a, e, **GRAD_TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype,layout,pcap", [(torch.float64, "nhwc", SOME), (torch.bfloat16, "nchw", ALL),
+                                               (torch.float32, "nhwc", NONE)],
+                         ids=["float64-nhwc-some", "bfloat16-nchw-all", "float32-nhwc-none"])
+@pytest.mark.parametrize("residual", ["map", "blocks", None])
+def test_fused_scatter_backward_equals_the_composition(dtype, layout, pcap, residual, monkeypatch):
+    """conv_scatter's backward on the kernel's path gives the composition's gradients of the blocks, the weight, the
+    bias, the base map (kept outside the active tiles; at them the residual's share, or nothing where overwritten)
+    and a residual tensor; tiles clipped at the bottom and right border."""
+    bl, _ = _blist(*pcap)
+    g = torch.Generator().manual_seed(13)
+    fmt = LAYOUTS[layout]
+
+    def rand(*shape):  # noqa: ANN002, ANN202
+        return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+
+    a, w, b = rand(bl.capacity, 5, 6, 6).contiguous(memory_format=fmt), rand(4, 5, 3, 3), rand(4)
+    base = rand(N, 4, H, W).contiguous(memory_format=fmt)
+    res = rand(bl.capacity, 4, 4, 4) if residual == "blocks" else None
+    up = rand(N, 4, H, W)
+    relu = residual != "blocks"
+
+    def run():  # noqa: ANN202
+        args = [t.detach().clone().requires_grad_(True) for t in (a, w, b, base) + ((res,) if res is not None else ())]
+        out = fused.conv_scatter(args[0], bl, args[1], args[2], args[3] * 1.0, tile=(4, 4),
+                                 residual=args[4] if res is not None else residual, relu=relu)
+        return (out.detach(), *torch.autograd.grad(out, args, up))
+
+    want, got = _both(monkeypatch, run)
+    for x, e in zip(got, want, strict=True):
+        torch.testing.assert_close(x, e, **GRAD_TOL[dtype])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("case", list(GRAD_CASES))
@@ -283,3 +315,30 @@ def test_gpu_fused_backward_vs_composition(case, dtype, monkeypatch):
     want, got = _both(monkeypatch, run)
     for a, e in zip(got, want, strict=True):
         torch.testing.assert_close(a.float(), e.float(), rtol=3e-2, atol=3e-2 * float(e.abs().max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("residual", ["map", "blocks"])
+def test_gpu_fused_scatter_backward_vs_composition(residual, monkeypatch):
+    """On the GPU (compiled triton): conv_scatter's fused backward against the composition's, random data."""
+    monkeypatch.delenv("TRITON_INTERPRET")
+    dev = torch.device("cuda")
+    bl, _ = _blist(0.7, 48)
+    bl = type(bl)(bl.indices.to(dev), bl.count.to(dev), bl.block)
+    g = torch.Generator(device=dev).manual_seed(0)
+    a = torch.randn(bl.capacity, 48, 6, 6, generator=g, device=dev).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(32, 48, 3, 3, generator=g, device=dev) * 0.1
+    base = torch.randn(N, 32, H, W, generator=g, device=dev).contiguous(memory_format=torch.channels_last)
+    res = torch.randn(bl.capacity, 32, 4, 4, generator=g, device=dev) if residual == "blocks" else None
+    up = torch.randn(N, 32, H, W, generator=g, device=dev)
+
+    def run():  # noqa: ANN202
+        args = [t.detach().clone().requires_grad_(True) for t in (a, w, base) + ((res,) if res is not None else ())]
+        out = fused.conv_scatter(args[0], bl, args[1], None, args[2] * 1.0, tile=(4, 4),
+                                 residual=args[3] if res is not None else residual, relu=True)
+        return torch.autograd.grad(out, args, up)
+
+    want, got = _both(monkeypatch, run)
+    for x, e in zip(got, want, strict=True):
+        torch.testing.assert_close(x, e, rtol=3e-2, atol=3e-2 * float(e.abs().max()))
