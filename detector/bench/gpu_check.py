@@ -257,13 +257,16 @@ def merge_benches(steps: list[dict], results: list[dict], out: Path) -> list[str
 def merge_units(steps: list[dict], results: list[dict], out: Path) -> list[str]:
     """gpu_units' rows into the files that come back (at most 8): units into sparse_gpu.*, the backbone and
     the training step into model_gpu.*, the kernel and sync counts into profile_gpu.md."""
-    step = next((s for s, r in zip(steps, results, strict=True) if s.get("units") and r["status"] == "passed"), None)
+    # gpu_units writes its file after every section: a step that failed (a section's error is a row) or ran out of
+    # time still brings back what it measured, each row marked with the step's status
+    step = next(((s, r) for s, r in zip(steps, results, strict=True)
+                 if s.get("units") and r["status"] in ("passed", "failed", "timed_out")), None)
     js = WORK / "gpu_units.json"
     if step is None or not js.is_file():
         return []
-    rows = json.loads(js.read_text())
+    rows = [dict(r, step=step[1]["status"]) for r in json.loads(js.read_text())]
     written = []
-    for name, benches in (("sparse", ("units",)), ("model", ("backbone", "train_step"))):
+    for name, benches in (("sparse", ("units", "errors")), ("model", ("backbone", "train_step"))):
         sel = [r for r in rows if r.get("bench") in benches]
         if not sel:
             continue

@@ -321,7 +321,7 @@ def bench_profile(args: dict, dev: torch.device, dtype: torch.dtype, rows: list)
 
 def markdown(rows: list[dict]) -> str:
     out = ["# Sync-free, fused, captured sparse path on the GPU (detector/bench/gpu_units.py)", ""]
-    for bench in ("units", "backbone", "train_step", "profile"):
+    for bench in ("units", "backbone", "train_step", "profile", "errors"):
         sel = [r for r in rows if r["bench"] == bench]
         if not sel:
             continue
@@ -330,6 +330,15 @@ def markdown(rows: list[dict]) -> str:
         out += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in sel]
         out.append("")
     return "\n".join(out)
+
+
+def _write(args: dict, rows: list[dict]) -> str:
+    if args["out"]:
+        Path(args["out"]).write_text(json.dumps(rows, indent=1) + "\n")
+    md = markdown(rows)
+    if args["md"]:
+        Path(args["md"]).write_text(md + "\n")
+    return md
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -347,16 +356,18 @@ def main(argv: list[str] | None = None) -> int:
                          ("profile", bench_profile)):
             if what in whats:
                 t0 = time.perf_counter()
-                fn(args, dev, dtype, rows)
+                try:
+                    fn(args, dev, dtype, rows)
+                except Exception as e:  # a failed section is a row that says why; the others still run
+                    if dev.type != "cuda":
+                        raise  # the CPU smoke test must see it
+                    rows.append({"bench": "errors", "section": what, "dtype": name,
+                                 "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"})
                 print(f"gpu_units: {what} [{name}] {time.perf_counter() - t0:.0f} s", flush=True)
-    text = json.dumps(rows, indent=1) + "\n"
-    if args["out"]:
-        Path(args["out"]).write_text(text)
-    md = markdown(rows)
-    if args["md"]:
-        Path(args["md"]).write_text(md + "\n")
+                _write(args, rows)  # after every section: a run cut short by its time limit keeps what it measured
+    md = _write(args, rows)
     print(md)
-    return 0
+    return 1 if any(r["bench"] == "errors" for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -92,6 +92,23 @@ def test_merge_benches_tags_rows_with_device_and_dtype(tmp_path):
     assert "## dtype=float32" in md and "| table bfloat16 |" in md
 
 
+def test_merge_units_keeps_what_a_cut_short_run_measured(tmp_path, monkeypatch):
+    """gpu_units writes its rows after every section: a step that ran out of time (or failed in one section) still
+    brings back its rows, each marked with the step's status; the errors go with the units' table."""
+    monkeypatch.setattr(gpu_check, "WORK", tmp_path)
+    (tmp_path / "gpu_units.json").write_text(json.dumps([
+        {"bench": "units", "batch": 1, "sparse_capacity_x": 1.5},
+        {"bench": "errors", "section": "train", "dtype": "float32", "error": "RuntimeError: boom"}]))
+    out = tmp_path / "out"
+    out.mkdir()
+    steps = [{"name": "gpu_units", "units": True, "cmd": ["x"]}]
+    assert gpu_check.merge_units(steps, [{"status": "timed_out"}], out) == ["sparse_gpu.json", "sparse_gpu.md"]
+    rows = json.loads((out / "sparse_gpu.json").read_text())
+    assert [(r["bench"], r["step"]) for r in rows] == [("units", "timed_out"), ("errors", "timed_out")]
+    assert "RuntimeError: boom" in (out / "sparse_gpu.md").read_text()
+    assert gpu_check.merge_units(steps, [{"status": "skipped"}], tmp_path / "none") == []
+
+
 def test_make_target_uses_the_machines_python3():
     # --no-print-directory: under `make test` the parent make's MAKEFLAGS would add "Entering directory" lines
     res = subprocess.run(["make", "--no-print-directory", "-n", "gpu-check", "ARGS=--dry-run"], cwd=REPO,
