@@ -17,7 +17,8 @@ untouched):
                   out[n, :, by*T_h : ... + T_h, bx*T_w : ... + T_w] = relu?(t)      (clipped to the map)
 
 One op, two paths by device: on CUDA with triton, the kernel of :mod:`detector.ops.triton_blocks` (one launch
-each, the gather and the scatter fused in; padding rows skipped by the device-side count); elsewhere (the CPU:
+each, the gather and the scatter fused in; padding rows skipped by the device-side count) once it has passed
+:func:`self_check` on that device and dtype (else, with a warning, the composition); elsewhere (the CPU:
 its oneDNN convolutions and the compiled gather/scatter kernels stay the CPU path) the composition of
 ``sparse_gather``, ``F.conv2d`` and :func:`~detector.ops.capacity.scatter_padded`. Backward: the composition's
 autograd on the CPU; on the kernel's path both ops have a fused backward (two kernels: the transposed convolution
@@ -31,6 +32,7 @@ composition and takes its backward.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -40,18 +42,90 @@ from .capacity import BlockList, gather_tiles, level_valid, scatter_padded
 from .formulas import memory_format_of
 from .functional import _kernels_for
 
-__all__ = ["conv_blocks", "conv_scatter", "fused_backend"]
+__all__ = ["conv_blocks", "conv_scatter", "fused_backend", "self_check"]
 
 Origin = tuple[tuple[int, int], tuple[int, int]]
 Zero = tuple[tuple[int, int], tuple[int, int], tuple[int, int]]
 
 
-def fused_backend(device: torch.device) -> str:
-    """'triton' (CUDA with triton, or forced by ``DETECTOR_FUSED=triton``) or 'torch' (the composition)."""
-    forced = os.environ.get("DETECTOR_FUSED", "")
+def fused_backend(device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+    """'triton' (CUDA with triton whose kernels pass :func:`self_check` for this device and dtype, or forced by
+    ``DETECTOR_FUSED=triton``) or 'torch' (the composition)."""
+    forced = _FORCE or os.environ.get("DETECTOR_FUSED", "")
     if forced in ("triton", "torch"):
         return forced if forced == "torch" or triton_blocks.available() else "torch"
-    return "triton" if torch.device(device).type == "cuda" and triton_blocks.available() else "torch"
+    device = torch.device(device)
+    if device.type != "cuda" or not triton_blocks.available():
+        return "torch"
+    return "triton" if self_check(device, dtype) else "torch"
+
+
+_CHECKED: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def self_check(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the Triton kernels give the composition's values on ``device`` in ``dtype``, forward and backward,
+    on a small random case at the map's border with padding rows: run once per device and dtype (a second or so of
+    compiling), remembered. A kernel that raises or differs is not used: the path falls back to the composition,
+    with one warning naming the failure (so a GPU or triton version the kernels were never run on costs speed, not
+    a training run). Inside a trace or a graph capture, where nothing may run, an unchecked pair counts as passing."""
+    key = (str(device), dtype)
+    if key in _CHECKED:
+        return _CHECKED[key]
+    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return True
+    ok, why = _compare(device, dtype)
+    _CHECKED[key] = ok
+    if not ok:
+        warnings.warn(f"the fused Triton kernels failed their check on {device} in {dtype} ({why}); the capacity "
+                      "path runs the composition of the gather/scatter kernels and the library's convolutions "
+                      "instead", RuntimeWarning, stacklevel=2)
+    return ok
+
+
+def _compare(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+    from .blocks import calc_block_params
+    from .capacity import reduce_mask_capacity
+
+    g = torch.Generator().manual_seed(0)
+    H, W = 11, 13
+    mask = (torch.rand(2, 1, H, W, generator=g) > 0.6).float()
+    bl = reduce_mask_capacity(mask, calc_block_params(H, W, bsize=6, ksize=3, stride=1, padding=1), 24)
+    bl = BlockList(bl.indices.to(device), bl.count.to(device), bl.block)
+
+    def rand(*shape):  # noqa: ANN002, ANN202
+        return (torch.randn(shape, generator=g) * 0.5).to(device, dtype)
+
+    x = rand(2, 16, H, W).contiguous(memory_format=torch.channels_last)
+    w0, w1, b0 = rand(16, 16, 3, 3), rand(16, 16, 1, 1), rand(16)  # a 3x3 from the map, a 1x1 scattering
+    up = rand(2, 16, H, W)
+
+    def run(backend: str) -> list[torch.Tensor]:
+        global _FORCE
+        _FORCE = backend
+        try:
+            args = [t.detach().clone().requires_grad_(True) for t in (x, w0, w1)]
+            a = conv_blocks(args[0], bl, args[1], b0, origin=((4, 4), (1, 1)), extent=(6, 6), relu=True,
+                            zero=((4, 4), (0, 0), (H, W)))
+            y = conv_scatter(a, bl, args[2], None, args[0] * 1, tile=(4, 4), residual="map", relu=True)
+            return [y.detach(), *torch.autograd.grad(y, args, up)]
+        finally:
+            _FORCE = None
+
+    try:
+        got = run("triton")
+    except Exception as e:  # noqa: BLE001  (any failure of the kernels means: do not use them)
+        return False, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    want = run("torch")
+    for name, a, b in zip(("output", "x's gradient", "w0's gradient", "w1's gradient"), got, want, strict=True):
+        scale = float(b.float().abs().max()) or 1.0
+        err = float((a.float() - b.float()).abs().max()) / scale
+        if not err <= (0.05 if dtype in (torch.float16, torch.bfloat16) else 0.01):  # tf32 dots; NaN fails
+            return False, f"{name} off by {err:.3g} of its largest value"
+    return True, ""
+
+
+_FORCE: str | None = None  # the self check's own choice of path, over everything else
 
 
 def _gather(x: torch.Tensor, indices: torch.Tensor, extent: tuple[int, int], origin: Origin) -> torch.Tensor:
@@ -240,7 +314,7 @@ def conv_blocks(src: torch.Tensor, blist: BlockList, weight: torch.Tensor, bias:
     def slow(s, w, b, ps, pt):  # noqa: ANN001, ANN202
         return _conv_blocks_torch(s, blist, w, b, stride, origin, e, None if ps is None else (ps, pt), relu, zero)
 
-    if fused_backend(src.device) != "triton":
+    if fused_backend(src.device, src.dtype) != "triton":
         return slow(src, weight, bias, *(pre if pre is not None else (None, None)))
 
     tensors = (src, weight, bias, *(pre if pre is not None else (None, None)))
@@ -282,7 +356,7 @@ def conv_scatter(blocks: torch.Tensor, blist: BlockList, weight: torch.Tensor, b
         return _conv_scatter_torch(bl, blist, w, b, o, tile, r if r is not None else residual, relu,
                                    inplace and not grad)
 
-    if fused_backend(blocks.device) != "triton":
+    if fused_backend(blocks.device, blocks.dtype) != "triton":
         return slow(blocks, weight, bias, out, res_t)
 
     def fast(bl, w, b, o, r):  # noqa: ANN001, ANN202

@@ -342,3 +342,28 @@ def test_gpu_fused_scatter_backward_vs_composition(residual, monkeypatch):
     want, got = _both(monkeypatch, run)
     for x, e in zip(got, want, strict=True):
         torch.testing.assert_close(x, e, rtol=3e-2, atol=3e-2 * float(e.abs().max()))
+
+
+def test_self_check_passes_the_kernels_and_refuses_a_wrong_or_failing_one(monkeypatch):
+    """fused_backend's check of the kernels (run here on the CPU under the interpreter): the real kernels pass; a
+    kernel whose output is off, or that raises, fails with one warning naming why, and the verdict is remembered
+    per device and dtype."""
+    dev = torch.device("cpu")
+    monkeypatch.setattr(fused, "_CHECKED", {})
+    assert fused.self_check(dev, torch.float32)
+    real = triton_blocks.block_conv
+
+    def off(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        return real(*args, **kwargs).add_(0.5)
+
+    def raises(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    for broken, why in ((off, "output off by"), (raises, "RuntimeError: no kernel image")):
+        monkeypatch.setattr(fused, "_CHECKED", {})
+        monkeypatch.setattr(triton_blocks, "block_conv", broken)
+        with pytest.warns(RuntimeWarning, match=why):
+            assert not fused.self_check(dev, torch.float32)
+        assert fused._CHECKED == {("cpu", torch.float32): False}
+        assert not fused.self_check(dev, torch.float32)  # remembered: no second run, no second warning
+    assert fused.fused_backend(dev) == "torch"  # the CPU takes the composition whatever the check says
