@@ -232,7 +232,7 @@ def test_triton_kernels_in_the_backbone(preact, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("preact", [False, True])
+@pytest.mark.parametrize("preact", [False, pytest.param(True, marks=pytest.mark.slow)])  # ~25 s each interpreted
 def test_triton_kernels_in_training(preact, monkeypatch):
     """A training step with the fused Triton kernels (interpreted on the CPU; their backward by the composition):
     the exact path's features, gradients and running statistics."""

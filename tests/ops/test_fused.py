@@ -257,14 +257,20 @@ def test_fused_backward_equals_the_composition(case, data, epilogue, monkeypatch
             torch.testing.assert_close(a, e, **GRAD_TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype,layout,pcap", [(torch.float64, "nhwc", SOME), (torch.bfloat16, "nchw", ALL),
-                                               (torch.float32, "nhwc", NONE)],
-                         ids=["float64-nhwc-some", "bfloat16-nchw-all", "float32-nhwc-none"])
-@pytest.mark.parametrize("residual", ["map", "blocks", None])
-def test_fused_scatter_backward_equals_the_composition(dtype, layout, pcap, residual, monkeypatch):
+SCATTER_DATA = {"float64-nhwc-some": (torch.float64, "nhwc", SOME), "bfloat16-nchw-all": (torch.bfloat16, "nchw", ALL),
+                "float32-nhwc-none": (torch.float32, "nhwc", NONE)}
+# make test: each residual kind once, every dtype among them; the slow run the product
+SCATTER_QUICK = {("map", "float64-nhwc-some"), ("blocks", "bfloat16-nchw-all"), (None, "float32-nhwc-none")}
+
+
+@pytest.mark.parametrize("residual,data", [
+    pytest.param(r, d, id=f"{r}-{d}", marks=() if (r, d) in SCATTER_QUICK else pytest.mark.slow)
+    for r in ("map", "blocks", None) for d in SCATTER_DATA])
+def test_fused_scatter_backward_equals_the_composition(residual, data, monkeypatch):
     """conv_scatter's backward on the kernel's path gives the composition's gradients of the blocks, the weight, the
     bias, the base map (kept outside the active tiles; at them the residual's share, or nothing where overwritten)
     and a residual tensor; tiles clipped at the bottom and right border."""
+    dtype, layout, pcap = SCATTER_DATA[data]
     bl, _ = _blist(*pcap)
     g = torch.Generator().manual_seed(13)
     fmt = LAYOUTS[layout]
