@@ -90,6 +90,12 @@ def blob_mask(n: int, h: int, w: int, seed: int, dev: torch.device) -> torch.Ten
     return m.to(dev)
 
 
+def _why(e: Exception) -> str:
+    """An exception in one line for a row: its type and its message's first line."""
+    first = str(e).splitlines()[0][:200] if str(e) else ""
+    return f"{type(e).__name__}: {first}"
+
+
 def _ratio(dense_ms: float, ms: float) -> float:
     return round(dense_ms / ms, 3) if ms > 0 else float("nan")
 
@@ -246,7 +252,7 @@ def bench_train(args: dict, dev: torch.device, dtype: torch.dtype, rows: list) -
             dense_g = capture_training(Dense(), x)
             ms["dense_graphed_ms"] = timed(lambda: step(lambda: dense_g(x)), dev, reps)
         except Exception as e:  # noqa: BLE001
-            ms["dense_graphed_ms"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            ms["dense_graphed_ms"] = f"failed: {_why(e)}"
         try:
             graphed = capture_training(Lists(*cp.plan_capacities(net, x, mask)), x, mask)
 
@@ -256,7 +262,7 @@ def bench_train(args: dict, dev: torch.device, dtype: torch.dtype, rows: list) -
 
             ms["sparse_capacity_graphed_ms"] = timed(lambda: step(replay), dev, reps)
         except Exception as e:  # noqa: BLE001  (a row that says why, not a lost run)
-            ms["sparse_capacity_graphed_ms"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            ms["sparse_capacity_graphed_ms"] = f"failed: {_why(e)}"
     if args["compile"] == "true" and dev.type == "cuda":
         dense_c = torch.compile(lambda a: net(a))
         ms["dense_compiled_ms"] = timed(lambda: step(lambda: dense_c(x)), dev, reps)
@@ -265,7 +271,7 @@ def bench_train(args: dict, dev: torch.device, dtype: torch.dtype, rows: list) -
         try:
             ms["sparse_capacity_compiled_ms"] = timed(lambda: step(lambda: cap_c(x, mask)), dev, reps)
         except Exception as e:  # noqa: BLE001  (a row that says why, not a lost run)
-            ms["sparse_capacity_compiled_ms"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            ms["sparse_capacity_compiled_ms"] = f"failed: {_why(e)}"
     best = min(v for k, v in ms.items() if k.startswith("dense") and isinstance(v, float))
     rows.append({"bench": "train_step", "input": f"36x{H}x{W}", "batch": b, "dtype": str(dtype).removeprefix("torch."),
                  "mask": "blobs (~1/4 of the map)", **{k: round(v, 3) if isinstance(v, float) else v
@@ -362,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                     if dev.type != "cuda":
                         raise  # the CPU smoke test must see it
                     rows.append({"bench": "errors", "section": what, "dtype": name,
-                                 "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"})
+                                 "error": _why(e)})
                 print(f"gpu_units: {what} [{name}] {time.perf_counter() - t0:.0f} s", flush=True)
                 _write(args, rows)  # after every section: a run cut short by its time limit keeps what it measured
     md = _write(args, rows)
