@@ -220,22 +220,30 @@ class _FusedConv(torch.autograd.Function):
         if zero is not None and not relu:
             g = g * level_valid(blist.indices, zero[0], zero[1], tuple(g.shape[2:]), zero[2]).to(g.dtype)
         g = g.contiguous(memory_format=memory_format_of(out) or torch.contiguous_format)
-        kh, kw = int(weight.shape[2]), int(weight.shape[3])
-        dsrc = dw = db = None
-        if need_w:
-            dw = triton_blocks.block_conv_wgrad(src, blist.indices, blist.count, g, (kh, kw), stride=stride,
-                                                in_map=origin is not None, origin=origin or ((0, 0), (0, 0)))
-            dw = dw.to(weight.dtype)
-        if need_b:
-            db = g.sum((0, 2, 3), dtype=torch.promote_types(g.dtype, torch.float32))
-        if need_src:
-            win = extent if origin is not None else (int(src.shape[2]), int(src.shape[3]))
-            fmt = memory_format_of(src) or torch.contiguous_format
-            dwin = torch.empty((blist.capacity, int(src.shape[1]), *win), dtype=src.dtype, device=src.device,
-                               memory_format=fmt)
-            dwin = triton_blocks.block_conv_dgrad(g, blist.count, weight, dwin, stride=stride)
-            dsrc = dwin if origin is None else _gather_grad(dwin, blist.indices, src, origin)
+        dwin, dw, db = _conv_grads(g, src, weight, blist, stride, origin, extent, need_src, need_w, need_b)
+        dsrc = dwin if origin is None or dwin is None else _gather_grad(dwin, blist.indices, src, origin)
         return None, None, dsrc, dw, db
+
+
+def _conv_grads(g: torch.Tensor, src: torch.Tensor, weight: torch.Tensor, blist: BlockList, stride: int,
+                origin: Origin | None, extent: tuple[int, int] | None, need_src: bool, need_w: bool, need_b: bool
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """From ``g``, the gradient of the kernel's convolution output (padding rows zero): the source windows' (the
+    dgrad kernel; ``[capacity, CI, e_h, e_w]``, the map's windows when ``origin`` is given), the weight's (the wgrad
+    kernel) and the bias's gradient, each only where needed."""
+    dwin = dw = db = None
+    if need_w:
+        dw = triton_blocks.block_conv_wgrad(src, blist.indices, blist.count, g, tuple(weight.shape[2:]),
+                                            stride=stride, in_map=origin is not None,
+                                            origin=origin or ((0, 0), (0, 0))).to(weight.dtype)
+    if need_b:
+        db = g.sum((0, 2, 3), dtype=torch.promote_types(g.dtype, torch.float32))
+    if need_src:
+        win = extent if origin is not None else tuple(src.shape[2:])
+        dwin = torch.empty((blist.capacity, int(src.shape[1]), *win), dtype=src.dtype, device=src.device,
+                           memory_format=memory_format_of(src) or torch.contiguous_format)
+        dwin = triton_blocks.block_conv_dgrad(g, blist.count, weight, dwin, stride=stride)
+    return dwin, dw, db
 
 
 class _FusedScatter(torch.autograd.Function):
@@ -264,17 +272,8 @@ class _FusedScatter(torch.autograd.Function):
         g = gather_tiles(grad, blist.indices, tile)
         keep = valid & (gather_tiles(out, blist.indices, tile) > 0) if relu else valid
         g = torch.where(keep, g, 0).contiguous(memory_format=fmt)
-        dblocks = dw = db = dbase = None
-        if need_blocks:
-            dblocks = torch.empty(blocks.shape, dtype=blocks.dtype, device=blocks.device,
-                                  memory_format=memory_format_of(blocks) or torch.contiguous_format)
-            dblocks = triton_blocks.block_conv_dgrad(g, blist.count, weight, dblocks, stride=1)
-        if need_w:
-            dw = triton_blocks.block_conv_wgrad(blocks, blist.indices, blist.count, g,
-                                                (int(weight.shape[2]), int(weight.shape[3])), stride=1,
-                                                in_map=False).to(weight.dtype)
-        if need_b:
-            db = g.sum((0, 2, 3), dtype=torch.promote_types(g.dtype, torch.float32))
+        dblocks, dw, db = _conv_grads(g, blocks, weight, blist, 1, None, None, need_blocks, need_w, need_b)
+        dbase = None
         if need_base:
             dbase = scatter_padded(g if residual_map else torch.zeros_like(g), blist, grad.clone(memory_format=fmt),
                                    add=False, relu=False, inplace=True)
