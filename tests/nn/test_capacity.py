@@ -172,6 +172,7 @@ def test_training_makes_no_host_call():
     assert calls.seen and not [f for f in calls.seen if f.startswith(SYNCS)]
 
 
+@pytest.mark.slow  # ~11 s; make test compiles the inference forward (test_compiles_fullgraph)
 def test_training_compiles_fullgraph():
     """The training forward is one graph (aot_eager: the backward traced too); same values and gradients."""
     exact, net = _train_pair(dtype=torch.float32)
@@ -232,7 +233,8 @@ def test_triton_kernels_in_the_backbone(preact, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("preact", [False, pytest.param(True, marks=pytest.mark.slow)])  # ~25 s each interpreted
+@pytest.mark.slow  # ~20 s each interpreted; make test checks the pieces: the fused backward against the composition
+@pytest.mark.parametrize("preact", [False, True])  # (tests/ops/test_fused.py), training on the composition (above)
 def test_triton_kernels_in_training(preact, monkeypatch):
     """A training step with the fused Triton kernels (interpreted on the CPU; their backward by the composition):
     the exact path's features, gradients and running statistics."""
