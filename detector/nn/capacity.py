@@ -61,6 +61,7 @@ class _ListNorm:
     def __init__(self, chain: SparseConvChain, blist: BlockList, geo: ChainGeometry) -> None:
         self.chain, self.blist, self.geo = chain, blist, geo
         self.slots = chain.slots
+        self._inside: dict[Level, torch.Tensor] = {}
         for j, bn in enumerate(self.slots):
             if needs_sync(bn):
                 raise ValueError(f"{chain.name}.bn[{j}]: synchronized batch norm across processes runs on the exact "
@@ -78,12 +79,24 @@ class _ListNorm:
         s, t = running_scale_shift(self.slots[j])
         return w * s.view(-1, 1, 1, 1), t
 
+    def inside(self, level: Level) -> torch.Tensor:
+        """bool ``[capacity, 1, e_h, e_w]``: the block pixels of ``level`` inside its map (made once per level: the BN
+        that counts them and the zeroing after it share it)."""
+        if level not in self._inside:
+            self._inside[level] = level_valid(self.blist.indices, level.region, level.offset, level.extent,
+                                              level.map_size)
+        return self._inside[level]
+
     def __call__(self, j: int, z: torch.Tensor) -> torch.Tensor:
         """Slot ``j`` (training mode) on the blocks ``z`` of its level."""
         lv = self.geo.levels[self.chain.slot_levels[j]]
-        y, m = list_batch_norm(self.slots[j], z, region_weights(self.blist, lv))
+        y, m = list_batch_norm(self.slots[j], z, region_weights(self.blist, lv, self.inside(lv)))
         update_running_stats(self.slots[j], m)
         return y
+
+    def relu_zero(self, a: torch.Tensor, level: Level) -> torch.Tensor:
+        """ReLU, block pixels outside ``level``'s map zeroed (the dense twin's padding for the next convolution)."""
+        return torch.where(self.inside(level), torch.relu(a), 0)
 
 
 def _out_slot(chain: SparseConvChain, i: int) -> int | None:
@@ -92,21 +105,14 @@ def _out_slot(chain: SparseConvChain, i: int) -> int | None:
     return j if j < len(chain.bns) else None
 
 
-def region_weights(blist: BlockList, level: Level) -> torch.Tensor:
+def region_weights(blist: BlockList, level: Level, inside: torch.Tensor) -> torch.Tensor:
     """bool ``[capacity, 1, e_h, e_w]``: the pixels of ``level``'s blocks that its batch statistics count - the
-    active rows' tile regions (block pixels ``offset ... offset + region``), in-map pixels only."""
+    active rows' tile regions (block pixels ``offset ... offset + region``) among the in-map pixels ``inside``."""
     (eh, ew), (ph, pw), (rh, rw) = level.extent, level.offset, level.region
     dev = blist.indices.device
     ry = (torch.arange(eh, device=dev) >= ph) & (torch.arange(eh, device=dev) < ph + rh)
     rx = (torch.arange(ew, device=dev) >= pw) & (torch.arange(ew, device=dev) < pw + rw)
-    inside = level_valid(blist.indices, level.region, level.offset, level.extent, level.map_size)
     return inside & (ry[:, None] & rx[None, :]) & blist.valid.view(-1, 1, 1, 1)
-
-
-def _relu_zero(a: torch.Tensor, blist: BlockList, level: Level) -> torch.Tensor:
-    """ReLU, block pixels outside ``level``'s map zeroed (the dense twin's padding for the next convolution)."""
-    inside = level_valid(blist.indices, level.region, level.offset, level.extent, level.map_size)
-    return torch.where(inside, torch.relu(a), 0)
 
 
 def chain_capacity(chain: SparseConvChain, x: torch.Tensor, blist: BlockList, inplace: bool = False,
@@ -128,7 +134,7 @@ def chain_capacity(chain: SparseConvChain, x: torch.Tensor, blist: BlockList, in
     grad = torch.is_grad_enabled()
     src, origin, pre, a0 = x, origin0, None, None  # the first conv's source: the map (gather fused) or blocks
     if chain.preact and norm.batch(0):
-        a0 = _relu_zero(norm(0, sparse_gather(x, blist.indices, geo.block)), blist, lv[0])
+        a0 = norm.relu_zero(norm(0, sparse_gather(x, blist.indices, geo.block)), lv[0])
         src, origin = a0, None
     elif chain.preact:
         pre = running_scale_shift(chain.bns[0])
@@ -142,7 +148,7 @@ def chain_capacity(chain: SparseConvChain, x: torch.Tensor, blist: BlockList, in
     for i in range(L - 1):
         j = _out_slot(chain, i)
         if norm.batch(j):
-            a = _relu_zero(norm(j, conv(i, a, wb=(chain.convs[i].weight, None))), blist, lv[i + 1])
+            a = norm.relu_zero(norm(j, conv(i, a, wb=(chain.convs[i].weight, None))), lv[i + 1])
         else:
             a = conv(i, a, wb=norm.folded(i), relu=True,
                      zero=(lv[i + 1].region, lv[i + 1].offset, lv[i + 1].map_size))
