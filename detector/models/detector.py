@@ -390,22 +390,22 @@ class BevDetector(nn.Module):
         t = time.perf_counter() if self.timing else 0.0
         modes, caps, plan = self.capacity_plan(tuple(bev.shape), mask, level_masks)
         t = self._tick(times, "plan", t)
+        key = (tuple(bev.shape), bev.dtype, bev.device, tuple(modes), tuple(caps))
         if self.training and self.capture_train and bev.is_cuda:
-            key = (tuple(bev.shape), bev.dtype, bev.device, tuple(modes), tuple(caps))
             run = self.train_graphs.get(key, _ListNetwork(self, modes, caps), bev, mask, *level_masks)
             (heat, reg, overflow), counts = run(bev, mask, *level_masks), None
         elif self.training or torch.is_grad_enabled():
             heat, reg, overflow, counts = self.capacity_maps(bev, mask, level_masks, modes, caps)
         else:
-            key = (tuple(bev.shape), bev.dtype, bev.device, tuple(modes), tuple(caps))
             run = self.graphs.get(key, lambda b, m, *lm: self.capacity_maps(b, m, lm, modes, caps), bev, mask,
                                   *level_masks)
             heat, reg, overflow, counts = run(bev, mask, *level_masks)
-        if bool(overflow) and self.training:
+        overflow = bool(overflow)  # the one read after the network
+        if overflow and self.training:
             found = "" if counts is None else f" {[[int(c) for c in cs] for cs in counts]}"
             raise RuntimeError(f"capacity path: the block lists {caps} hold fewer rows than the batch's active "
                                f"blocks{found}; no block may be dropped (model.train_path=exact runs without lists)")
-        if not self.training and bool(overflow):
+        if overflow:
             modes, new_caps, _ = self.capacity_plan(tuple(bev.shape), mask, level_masks, modes)
             rerun_warning(counts, caps, new_caps)
             heat, reg, _, _ = self.capacity_maps(bev, mask, level_masks, modes, new_caps)
