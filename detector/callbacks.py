@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities import rank_zero_warn
 
 from detector.errors import CheckpointError, ConfigError
 from detector.outputs import atomic_path
@@ -95,6 +96,32 @@ class LastCheckpoint(ModelCheckpoint):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._save_latest(trainer)  # training stopped between two events (max_steps mid-epoch)
+
+
+class BestCheckpoint(ModelCheckpoint):
+    """Lightning's :class:`ModelCheckpoint` whose ``monitor="auto"`` is the metric validation logs for the dataset
+    and classes of the run (:meth:`detector.module.DetectorModule.monitor_key`): the BEV AP R40 of the first scored
+    class, ``..._moderate`` on a KITTI root and ``..._overall`` on a LiDAR-only one (no difficulty levels there).
+    Where validation scores no class it monitors nothing (one warning): ``last.ckpt`` stays the run's state. Any other
+    ``monitor`` is Lightning's (a key validation logs, or None)."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.monitor == "auto":
+            self.monitor = self._auto_monitor(trainer, pl_module)
+            if self.monitor is None:
+                self.save_top_k = 0
+        super().setup(trainer, pl_module, stage)
+
+    @staticmethod
+    def _auto_monitor(trainer: L.Trainer, pl_module: L.LightningModule) -> str | None:
+        dm = getattr(trainer, "datamodule", None)
+        lidar = dm is not None and dm.dataset("val").root.layout == "lidar"
+        key = pl_module.monitor_key(lidar, getattr(dm, "min_overlap", None))
+        if key is None:
+            rank_zero_warn(f"callbacks.model_checkpoint.monitor=auto: validation scores none of the model's classes "
+                           f"{pl_module.classes} (give each a minimum IoU in data.classes): no best checkpoint by AP, "
+                           "last.ckpt only")
+        return key
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

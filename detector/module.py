@@ -253,6 +253,24 @@ class DetectorModule(L.LightningModule):
         n, ratio, bound = self._plan_macs
         return {"steps": n, "mac_ratio": ratio / n, "mac_bound": bound / n} if n else None
 
+    def scored_classes(self, lidar: bool, min_overlap: Mapping[str, float] | None) -> list[str]:
+        """The classes validation scores: on a LiDAR-only root (``lidar``) or with ``data.classes`` given
+        (``min_overlap``) the model's classes, else KITTI's three among them (with any other class given a minimum
+        IoU: :func:`score_records`)."""
+        from detector.eval.protocol import EVAL_CLASSES
+
+        if lidar:
+            return list(self.classes)
+        classes = self.classes if min_overlap else self.eval_classes
+        return [c for c in classes if c in EVAL_CLASSES or c in (min_overlap or {})]
+
+    def monitor_key(self, lidar: bool, min_overlap: Mapping[str, float] | None) -> str | None:
+        """The metric ``callbacks.model_checkpoint.monitor=auto`` stands for: the BEV AP R40 of the first class
+        validation scores, at KITTI's moderate difficulty (a KITTI root) or overall (a LiDAR-only root, which has no
+        difficulty levels); None where validation scores no class."""
+        scored = self.scored_classes(lidar, min_overlap)
+        return f"val/AP_{scored[0]}_bev_R40_{'overall' if lidar else 'moderate'}" if scored else None
+
     def on_validation_epoch_start(self) -> None:
         self._val_records = []
         self._val_image = None
@@ -265,8 +283,7 @@ class DetectorModule(L.LightningModule):
         lidar = isinstance(unique[0].gt, LidarLabels)
         # a LiDAR-only root's classes are the model's, scored with the data's minimum IoUs (data.classes)
         min_overlap = getattr(getattr(self.trainer, "datamodule", None), "min_overlap", None)
-        classes = self.classes if lidar or min_overlap else self.eval_classes
-        result, eval_classes, _ = score_records(unique, classes, min_overlap)
+        result, eval_classes, _ = score_records(unique, self.scored_classes(lidar, min_overlap), min_overlap)
         metrics = result.to_json()
         self.last_metrics = metrics
         flat = {}

@@ -119,7 +119,7 @@ def test_a_plateaued_runs_last_checkpoint_holds_its_final_step(tiny_root, tmp_pa
     assert last["global_step"] == 4 * steps_per_epoch
     best = load_checkpoint(result["best_ckpt"])
     assert best["global_step"] == val_every * steps_per_epoch < last["global_step"]  # the first validation's
-    (state,) = [v for k, v in last["callbacks"].items() if k.startswith("ModelCheckpoint")]
+    (state,) = [v for k, v in last["callbacks"].items() if k.startswith("BestCheckpoint")]
     assert state["best_model_path"] == result["best_ckpt"] and float(state["best_model_score"]) == 0.0
 
 

@@ -503,7 +503,7 @@ def test_ddp_two_processes_on_cpu(tmp_path, tiny_root):
     assert r.returncode == 0, r.stderr[-3000:]
     last = tmp_path / "checkpoints" / "last.ckpt"
     states = load_checkpoint(last)["callbacks"]
-    score = next(v["best_model_score"] for k, v in states.items() if k.startswith("ModelCheckpoint"))
+    score = next(v["best_model_score"] for k, v in states.items() if k.startswith("BestCheckpoint"))
     assert score is not None  # the monitored validation AP was computed
     # It came from both processes' records, gathered, so it equals one process evaluating the same weights
     # on the whole val split with the same decode settings. (After one epoch the tiny model may score 0

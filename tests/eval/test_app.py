@@ -95,7 +95,7 @@ def _best_score(ckpt: str) -> float:
     from detector.callbacks import load_checkpoint
 
     states = load_checkpoint(ckpt)["callbacks"]
-    return float(next(v["best_model_score"] for k, v in states.items() if k.startswith("ModelCheckpoint")))
+    return float(next(v["best_model_score"] for k, v in states.items() if k.startswith("BestCheckpoint")))
 
 
 def _metrics_from_files(out: Path, classes: str = "Car") -> dict:
