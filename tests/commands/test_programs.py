@@ -150,7 +150,8 @@ def test_visualize_draws_the_bird_eye_view_with_ground_truth(tiny_root, tmp_path
     out = tmp_path / "frame.png"
     assert visualize.main([f"root={tiny_root}", "frame=000000", "mode=bev", f"out={out}"]) == 0
     img = _read_png(out)
-    assert img.shape == (704, 800, 3)  # the default 0.1 m grid over x 0-70.4 m, y -40-40 m
+    # the default grid, x 0-70.4 m by y -40-40 m, as a 880 x 1000 px map (1000 on the long side), the legend under it
+    assert img.shape[1] == 1000 and 880 < img.shape[0] < 1000
     green = (img[..., 1] > 200) & (img[..., 0] < 100)
     assert green.sum() > 50  # the ground-truth boxes
     assert "bird's-eye view" in capsys.readouterr().out
@@ -177,7 +178,7 @@ def test_visualize_with_a_checkpoint_draws_its_mask_and_grid(tiny_root, tiny_che
     assert visualize.main([f"root={tiny_root}", "frame=000004", "mode=bev", f"out={out}",
                            f"ckpt_path={tiny_checkpoint}", "score_threshold=0.0"]) == 0
     img = _read_png(out)
-    assert img.shape == (128, 128, 3)  # the checkpoint's grid: 25.6 m x 25.6 m at 0.2 m
+    assert img.shape[1] == 1000 and img.shape[0] > 1000  # the checkpoint's square grid (25.6 m): 1000 px + legend
     from detector.viz import MASK_COLOR
 
     assert (img == np.asarray(MASK_COLOR, np.uint8)).all(-1).any()  # the road-map computation mask
@@ -207,7 +208,7 @@ def test_visualize_mask_override_draws_a_road_map_checkpoint_on_a_frame_without_
         out = tmp_path / f"{mask}.png"
         assert visualize.main([*common, f"mask={mask}", f"out={out}"]) == 0
         img = _read_png(out)
-        assert img.shape == (128, 128, 3)
+        assert img.shape[1] == 1000 and img.shape[0] > 1000
         masked[mask] = int((img == np.asarray(MASK_COLOR, np.uint8)).all(-1).sum())
     assert masked["ground"] > 0 and masked["none"] == 0
     _fails_in_one_line(visualize.main, [*common, "mask=predicted", f"out={tmp_path / 'p.png'}"], capsys,
