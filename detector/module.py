@@ -139,12 +139,30 @@ def gather_records(records: list[FrameRecords]) -> list[FrameRecords]:
     return unique
 
 
+def log_pr_curves(exp, result, classes: Sequence[str], level: str, step: int) -> None:
+    """TensorBoard's ``val/pr_<class>_bev_<level>``: BEV precision against recall at the metric's own score thresholds
+    (the counts its matching found, :class:`detector.eval.matching.LevelCounts`, the points its AP comes from), the
+    lowest threshold first as TensorBoard orders them. ``exp``: a SummaryWriter; ``result``: the metric's result. A
+    class with fewer than two thresholds (under two true positives) has no curve yet."""
+    for cls in classes:
+        counts = result.counts.get((cls, "bev", level))
+        if counts is None or counts.thresholds.size < 2 or counts.n_gt == 0:
+            continue
+        precision, _ = counts.curves()
+        tp, fp, fn = (np.asarray(a, np.float64)[::-1] for a in (counts.tp, counts.fp, counts.fn))
+        exp.add_pr_curve_raw(f"val/pr_{cls}_bev_{level}", tp, fp, np.zeros_like(tp), fn, precision[::-1],
+                             tp / counts.n_gt, step, num_thresholds=counts.thresholds.size)
+
+
 class DetectorModule(L.LightningModule):
     """Holds the detector; the optimizer and schedule come from config as partials.
 
     ``optimizer``: ``params -> Optimizer``; ``scheduler``: ``(optimizer, total_steps) -> LRScheduler``
     stepped every optimizer step (one-cycle by default). ``decode``: the decode settings
     (score_threshold, nms_iou, max_detections; ``tasks.decode_kwargs``), the same evaluation uses.
+    ``val_images``: TensorBoard gets the bird's-eye views (:func:`detector.viz.bev_image`) of this many validation
+    frames - the first ones of the val split, the same every validation - each ``image_every_n_val``-th validation,
+    and a precision-recall curve per scored class every validation.
     """
 
     def __init__(
@@ -156,6 +174,7 @@ class DetectorModule(L.LightningModule):
         image_every_n_val: int = 1,
         config: dict | None = None,
         decode: Mapping[str, Any] | None = None,
+        val_images: int = 4,
     ):
         super().__init__()
         self.model = model
@@ -163,12 +182,14 @@ class DetectorModule(L.LightningModule):
         self.scheduler_factory = scheduler
         self.classes = list(model.coder.classes)
         self.eval_classes = list(eval_classes or [c for c in self.classes if c in ("Car", "Pedestrian", "Cyclist")])
-        self.image_every_n_val = image_every_n_val
+        self.image_every_n_val = max(1, int(image_every_n_val))
+        self.val_images = max(0, int(val_images))
         self.decode_kwargs = dict(decode or {})
         # The resolved config goes into the checkpoint as plain containers (loadable with weights_only).
         self.save_hyperparameters({"config": config or {}}, logger=False)
         self._val_records: list[FrameRecords] = []
-        self._val_image = None
+        self._val_frames: list[tuple[Frame, Detections, torch.Tensor | None]] = []
+        self._validations = 0  # validation epochs run (sanity checks not counted)
         self.last_metrics: dict | None = None
         self._plan_macs = [0, 0.0, 0.0]  # training steps with a plan, sum of mac_ratio, sum of mac_bound
 
@@ -215,8 +236,9 @@ class DetectorModule(L.LightningModule):
                 self.log(f"val/time_{k}_ms_per_frame", 1000 * out.times[k] / B, batch_size=B, sync_dist=True)
         records = frame_records(batch, dets, self.classes, self.model.grid)
         self._val_records += [r for r in records if r.gt is not None]
-        if batch_idx == 0 and self._val_image is None:
-            self._val_image = (batch.frames[0], dets[0].to("cpu"), None if out.mask is None else out.mask[0, 0].cpu())
+        for i in range(min(B, self.val_images - len(self._val_frames))):  # the loader's first frames: fixed
+            self._val_frames.append((batch.frames[i], dets[i].to("cpu"),
+                                     None if out.mask is None else out.mask[i, 0].cpu()))
 
     def _log_mask_quality(self, out, batch: Batch) -> None:
         """val/mask_recall and val/mask_boxes_covered (weighted by boxes: the epoch value is the mean over all
@@ -273,7 +295,7 @@ class DetectorModule(L.LightningModule):
 
     def on_validation_epoch_start(self) -> None:
         self._val_records = []
-        self._val_image = None
+        self._val_frames = []
 
     def on_validation_epoch_end(self) -> None:
         unique = gather_records(self._val_records)
@@ -297,18 +319,27 @@ class DetectorModule(L.LightningModule):
                         flat[f"val/AP_{cls}_{metric}_R40_{level}"] = float(v)
         if flat:
             self.log_dict(flat, sync_dist=False, rank_zero_only=True)
-        if self._val_image is not None and self.trainer.is_global_zero and self.logger is not None:
-            self._log_bev_image(*self._val_image)
+        if self.trainer.sanity_checking or not self.trainer.is_global_zero:
+            return
+        exp = getattr(self.logger, "experiment", None) if self.logger is not None else None
+        if exp is not None and hasattr(exp, "add_pr_curve_raw"):
+            log_pr_curves(exp, result, eval_classes, "overall" if lidar else "moderate", self.global_step)
+        if exp is not None and hasattr(exp, "add_image") and self._validations % self.image_every_n_val == 0:
+            for frame, dets, mask in self._val_frames:
+                self._log_bev_image(exp, frame, dets, mask)
+        self._val_frames = []
+        self._validations += 1
 
-    def _log_bev_image(self, frame, dets, mask) -> None:
+    def _log_bev_image(self, exp, frame: Frame, dets: Detections, mask: torch.Tensor | None) -> None:
+        """val/bev/<frame id>: the frame's points, computation mask, ground truth and detections (those scored at
+        least bev_image's default threshold), with their classes and scores."""
         from detector.viz import bev_image
 
-        exp = getattr(self.logger, "experiment", None)
-        if exp is None or not hasattr(exp, "add_image"):
-            return
-        img = bev_image(frame.points, self.model.grid, gt_boxes=frame.gt_boxes, det_boxes=dets.boxes,
-                        det_scores=dets.scores, mask=mask)
-        exp.add_image("val/bev", img, self.global_step, dataformats="HWC")
+        names = np.asarray(self.classes)[dets.labels.numpy()] if len(dets) else []
+        img = bev_image(frame.points, self.model.grid, gt_boxes=frame.gt_boxes, gt_names=frame.gt_names,
+                        det_boxes=dets.boxes, det_scores=dets.scores, det_names=names, mask=mask,
+                        title=f"frame {frame.frame_id}")
+        exp.add_image(f"val/bev/{frame.frame_id}", img, self.global_step, dataformats="HWC")
 
     # --- checkpoints ------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -187,7 +187,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         config["choices"] = choices  # the config groups' options, to name them to a resume that differs
     scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
     module = DetectorModule(model, instantiate(cfg.optimizer), scheduler, config=config,
-                            decode=decode_kwargs(cfg.model))
+                            decode=decode_kwargs(cfg.model), val_images=cfg.get("val_images", 4))
     callbacks = [instantiate(c) for c in cfg.get("callbacks", {}).values() if c is not None and "_target_" in c]
     logger = instantiate(cfg.logger) if cfg.get("logger") and "_target_" in cfg.logger else False
     if not logger:  # nothing to monitor the learning rate into

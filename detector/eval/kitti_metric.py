@@ -64,7 +64,8 @@ class KittiResult:
     ``curves`` [C, M, L, 41]: for metrics "2d", "bev", "3d" the precision, for "aos" the orientation
     similarity, at the KITTI levels ``levels``; ``num_gt`` [C, L] counted GT. ``distance_curves``
     [C, M, R, 41] / ``distance_num_gt`` [C, R] the same for the distance ranges ``distance_levels`` (R may
-    be 0). ``min_overlap`` per class.
+    be 0). ``min_overlap`` per class. ``counts``: the matching's counts at its score thresholds (the points the
+    curves come from: precision-recall curves) per (class, matched metric "2d" / "bev" / "3d", level or range).
     """
 
     classes: tuple[str, ...]
@@ -76,6 +77,7 @@ class KittiResult:
     distance_levels: tuple[str, ...] = ()
     distance_curves: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0, N_SAMPLE_PTS)))
     distance_num_gt: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
+    counts: dict[tuple[str, str, str], LevelCounts] = field(default_factory=dict)
 
     def _index(self, cls: str, metric: str) -> tuple[int, int]:
         if cls not in self.classes:
@@ -312,6 +314,7 @@ def evaluate(
     dnum_gt = np.zeros((C, len(dlevels)), np.int64)
     t_overlap = t_match = 0.0
     t_prep = time.perf_counter() - t0
+    level_counts: dict[tuple[str, str, str], LevelCounts] = {}
 
     for c, cls in enumerate(classes):
         ts = time.perf_counter()
@@ -332,6 +335,7 @@ def evaluate(
             )
             for li, (gs, ds) in enumerate(states):
                 counts = match_level(graph, gs, ds, d_score, e.in_dontcare, g_alpha, d_alpha)
+                level_counts[(cls, mm, all_levels[li].name)] = counts
                 _store(counts, mm, metrics, c, li, len(levels), curves, num_gt, dcurves, dnum_gt)
         t_match += time.perf_counter() - ts
 
@@ -350,6 +354,7 @@ def evaluate(
         tuple(lv.name for lv in dlevels),
         dcurves,
         dnum_gt,
+        level_counts,
     )
 
 
