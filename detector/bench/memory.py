@@ -14,6 +14,7 @@ allocator's events during it (torch.profiler memory events; not RSS), for one tr
 backward, optimizer step) after a warm-up step, or one inference forward (no grad). estimate:
 :func:`detector.memory.estimate` from the shapes and the mask's active blocks per chain (no layer runs). Rows whose
 estimate exceeds ``limit_mb`` are not measured (marked).
+``out``: the files ``out``.json and ``out``.md (``out=X.json`` names the same pair).
 ``merge=true`` keeps the rows of ``out``.json that this run does not redo (same bev, batch, sparsity, mode) and
 adds this command to the recorded ones: a table measured in several runs (a shared machine) stays one file.
 ``note=TEXT`` is recorded with the run (why rows were left unmeasured, the machine's state).
@@ -147,10 +148,20 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render(out: Path) -> None:
+def out_files(out: str | Path) -> tuple[Path, Path]:
+    """The JSON and markdown files of ``out=``: ``out``.json and ``out``.md (a name ending in .json or .md names the
+    pair too; any other dot stays part of the name)."""
+    name = str(out)
+    ext = next((e for e in (".json", ".md") if name.endswith(e) and len(name) > len(e)), "")
+    name = name[: len(name) - len(ext)]
+    return Path(name + ".json"), Path(name + ".md")
+
+
+def render(out: str | Path) -> None:
     """Rewrite ``out``.md from ``out``.json (no measurement)."""
-    data = json.loads(out.with_suffix(".json").read_text())
-    out.with_suffix(".md").write_text(markdown(data["meta"], data["rows"]))
+    js, md = out_files(out)
+    data = json.loads(js.read_text())
+    md.write_text(markdown(data["meta"], data["rows"]))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -160,12 +171,12 @@ def main(argv: list[str] | None = None) -> None:
                              "render_only": False},
                       __doc__)
     argv = sys.argv[1:] if argv is None else list(argv)
-    out = Path(args["out"])
+    js, md = out_files(args["out"])
     if args["render_only"]:
-        if not out.with_suffix(".json").is_file():
-            raise SystemExit(f"error: render_only=true: {out.with_suffix('.json')} does not exist")
-        render(out)
-        print(f"wrote {out}.md from {out}.json")
+        if not js.is_file():
+            raise SystemExit(f"error: render_only=true: {js} does not exist")
+        render(args["out"])
+        print(f"wrote {md} from {js}")
         return
     command = " ".join(["python scripts/bench_memory.py", *(a for a in argv if not a.startswith("note="))])
     load_start = os.getloadavg()[0]
@@ -179,8 +190,8 @@ def main(argv: list[str] | None = None) -> None:
             "allocator": allocator_env(),
             "measured": "tensors alive before + peak of torch.profiler CPU allocator events (not RSS)",
             "commands": [command], "notes": [args["note"]] if args["note"] else []}
-    if args["merge"] and out.with_suffix(".json").is_file():
-        old = json.loads(out.with_suffix(".json").read_text())
+    if args["merge"] and js.is_file():
+        old = json.loads(js.read_text())
         for key in ("cpu", "torch"):  # rows from several machines or torch versions: say so (earlier runs first)
             was = str(old["meta"].get(key, ""))
             if was and str(meta[key]) not in was:
@@ -191,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
         meta["notes"] = [n for n in [old["meta"].get("note")] if n] + old["meta"].get("notes", []) + meta["notes"]
         new = {tuple(r[k] for k in KEY): r for r in rows}
         rows = [new.pop(tuple(r[k] for k in KEY), r) for r in old["rows"]] + list(new.values())
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(meta, rows))
-    print(f"wrote {out}.json and {out}.md")
+    js.parent.mkdir(parents=True, exist_ok=True)
+    js.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    md.write_text(markdown(meta, rows))
+    print(f"wrote {js} and {md}")
