@@ -2,7 +2,11 @@
 
     detector-visualize root=DIR frame=000010 [ckpt_path=PATH] [mask=road_map|predicted|ground|none]
                        [out=frame.png] [mode=auto|3d|bev] [score_threshold=0.3] [fov_only=true]
+                       [split_dir=training]
     (or: python scripts/visualize.py ...)
+
+root: a KITTI-format root (``split_dir``/velodyne, label_2, calib) or a LiDAR-only one (points/, labels/:
+docs/custom-data.md), told apart as training tells them (a ``points`` folder: LiDAR-only).
 
 mode=3d renders with open3d's legacy Visualizer offscreen (works without a display on our machines);
 mode=bev draws the bird's-eye-view image (the one TensorBoard shows); mode=auto tries 3d, then bev.
@@ -10,7 +14,7 @@ Without ckpt_path only the ground truth is drawn. ``mask=`` replaces the checkpo
 as ``scripts/evaluate.py mask=...`` does (the same :func:`detector.tasks.load_detector`): real KITTI has
 no road maps, so a road-map checkpoint is drawn there with mask=ground, mask=none (dense) or, when it
 trained a mask net, mask=predicted. ``fov_only`` keeps the points in the camera's view, as training and
-evaluation do (data.fov_only).
+evaluation do (data.fov_only); a LiDAR-only frame has no camera and keeps every point.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from detector.cli import parse_args
 from detector.data.kitti import KittiRoot
 from detector.data.kitti_camera import in_camera_fov
 from detector.data.kitti_labels import IMAGE_SIZE
+from detector.data.lidar import open_root
 from detector.data.structures import Detections, Frame
-from detector.errors import KittiFormatError, is_user_error, one_line
+from detector.errors import ConfigError, KittiFormatError, is_user_error, one_line
 from detector.geometry.boxes import BOX_EDGES, Boxes3D
 
 USAGE = __doc__
@@ -80,6 +85,16 @@ def detect(model, cfg, frame: Frame) -> tuple[Detections, torch.Tensor | None]:
     return pred.dets[0], (None if pred.out.mask is None else pred.out.mask[0, 0])
 
 
+def read_frame(root: str, frame_id: str, split_dir: str = "training") -> Frame:
+    """A frame of a KITTI root (its ``split_dir``) or of a LiDAR-only one (``points/``, ``labels/``: no calibration,
+    so no field-of-view cut), the layout found as :func:`detector.data.lidar.open_root` finds it; with its road map
+    where the root has them."""
+    found = open_root(root)
+    if found.layout == "kitti" and split_dir != "training":
+        found = KittiRoot(root, split_dir)
+    return found.read_frame(frame_id, road_map=found.has_road_maps())
+
+
 def main(argv=None) -> int:
     args = parse_args(argv, {"root": None, "frame": "000000", "split_dir": "training", "ckpt_path": None,
                              "mask": None, "out": None, "mode": "auto", "score_threshold": 0.3,
@@ -91,12 +106,11 @@ def main(argv=None) -> int:
     if args["mask"] is not None and not args["ckpt_path"]:
         raise SystemExit("error: mask= chooses a checkpoint's computation mask: give ckpt_path=PATH too")
     try:
-        root = KittiRoot(args["root"], args["split_dir"])
-        frame = root.read_frame(args["frame"], road_map=root.has_road_maps())
-    except KittiFormatError as e:
-        print(f"error: {e}", file=sys.stderr)
+        frame = read_frame(args["root"], args["frame"], args["split_dir"])
+    except (KittiFormatError, ConfigError) as e:
+        print(one_line(e), file=sys.stderr)
         return 1
-    if args["fov_only"]:  # as the dataset does for training and evaluation
+    if args["fov_only"] and frame.calib is not None:  # as the dataset does for training and evaluation
         frame.points = frame.points[in_camera_fov(frame.points, frame.calib, frame.image_size or IMAGE_SIZE)]
     dets, grid, mask = None, None, None
     if args["ckpt_path"]:
