@@ -21,9 +21,11 @@ times out is named in the summary and the later steps still run while budget is 
    50 % / 90 % sparsity, batch 1 and 8 (forward; forward + backward by the exact path), the bev=kitti backbone per
    batch, a training step at batch 8, kernels and host syncs per forward; merged into sparse_gpu.*, model_gpu.* and
    profile_gpu.md (the files that come back stay at 8);
-6. ``bench_sparse`` with ``device=cuda dtype=float32|bfloat16`` at 50 % and 90 % sparsity (no spconv), and
-   ``bench_model`` (float32) on the dataset ``data`` with masks ``none,predicted`` (road_map and ground masks
-   need open3d), skipped when ``data`` holds no dataset;
+6. ``bench_sparse`` with ``device=cuda dtype=float32|bfloat16`` at 50 % and 90 % sparsity, every forward call's
+   output checked; its peers beside the conv3x3 rows: the cuDNN dense twin, our unit and spconv's SubMConv2d on the
+   same active pixels where spconv imports (its CUDA wheel and its dependencies in ``wheels=DIR``), else the spconv
+   cells say skipped, with the note why; and ``bench_model`` (float32) on the dataset ``data`` with masks
+   ``none,predicted`` (road_map and ground masks need open3d), skipped when ``data`` holds no dataset;
 7. ``profile`` ``scripts/profile_gpu.py``: the detector dense, sparse at a fixed tile and with the plan, timed
    and profiled (kernels and host syncs per run, top operators) at bev=kitti and on make train's model.
 
@@ -45,6 +47,10 @@ the device tool's ``carry``):
         antlr4-python3-runtime==4.9.3    # pure Python; antlr4 4.9.3 is an sdist only, `pip wheel` builds it
     .venv/bin/python scripts/make_dataset.py out=data/gpu_check frames=25    # the simulator needs open3d: here
                                  # ~1.9 MB a frame: 25 frames (5 val, 20 train) = ~48 MB of the 64 MiB carried
+
+spconv for the peers row is not among them: its CUDA wheels for Python 3.12 (``pip download --no-deps
+--only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 spconv-cu126==2.3.8``: 67 MiB, and
+cumm-cu126 0.7.11: 25 MiB, beside pccm, ccimport, fire, pybind11) are more than the 64 MiB the device tool carries.
 
 then, with the device tool: ``run(command="python3 scripts/gpu_check.py wheels=build/wheels
 data=data/gpu_check out=$OUT", carry=["build/wheels", "data/gpu_check"], timeout_s=600)``, and copy
@@ -142,7 +148,7 @@ def plan(args: dict) -> list[dict]:
     for dtype in DTYPES:
         base = ["device=cuda", f"dtype={dtype}"]
         steps.append({"name": f"bench_sparse[{dtype}]", "bench": "sparse", "dtype": dtype,
-                      "cmd": [py, "scripts/bench_sparse.py", *base, "sparsity=0.5,0.9", "spconv=false",
+                      "cmd": [py, "scripts/bench_sparse.py", *base, "sparsity=0.5,0.9", "spconv=true",
                               f"out={work / f'sparse_gpu_{dtype}.json'}", f"md={work / f'sparse_gpu_{dtype}.md'}"]})
     # the whole detector: float32 only (bfloat16 shows the same picture, and a second run would not fit the budget)
     steps.append({"name": "bench_model[float32]", "bench": "model", "dtype": "float32",

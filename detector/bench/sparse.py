@@ -2,7 +2,8 @@
 
     python scripts/bench_sparse.py [quick=false] [out=benchmarks/sparse_cpu.json] [md=] [batch=1]
         [stages=1,2,3,4] [sparsity=0.5,0.75,0.9,0.95,0.99] [blocks=8,16,32] [layers=conv3x3,bottleneck]
-        [passes=fwd,fwd+bwd] [reps=3] [threads=1] [layout=nhwc] [spconv=true] [device=cpu] [dtype=float32]
+        [passes=fwd,fwd+bwd] [reps=3] [threads=1] [layout=nhwc] [spconv=true] [peer_threads=1,2]
+        [device=cpu] [dtype=float32]
 
 Layers, at the four stage sizes of SBNet's LiDAR backbone on our KITTI BEV grid (PIXOR layout, input
 800 x 704, stage outputs at strides 2..16 with 96/192/256/384 channels; see detector.nn.resnet):
@@ -18,15 +19,16 @@ is fastest that way on this CPU, and the compiled ops gather/scatter NHWC block 
 ``layout=nchw`` runs both on NCHW maps. ``device=cuda`` / ``dtype=bfloat16`` run on a GPU / in bf16
 (``make gpu-check``); times are then taken after ``torch.cuda.synchronize()``.
 
-Masks: at each block size, a random ``(1 - sparsity)`` fraction of the layer's output tiles is active
-(at least one): the mask has one pixel at each chosen tile's centre, so ``reduce_mask`` returns exactly
-those blocks. The sparse time is the whole layer call with the mask (reduce_mask, gather, convolutions,
-BN/ReLU, scatter). ``fwd``: eval mode under ``torch.no_grad()`` (BN folded into the convolutions on both
-sides); ``speedup`` is the layer's normal path, a unit whose caller keeps its input (it writes a copy);
-``sparse_inplace_ms`` / ``speedup_inplace`` give the path the backbone takes for the stage's own
-intermediates (the unit writes into its input; in ``fwd+bwd`` too, on a non-leaf input made before the
-timer starts). ``fwd+bwd``: training mode (batch statistics), forward and backward of a fixed output
-gradient, input gradient included. Every time is the best of ``reps`` after a warm-up
+Masks: at each block size, a random ``(1 - sparsity)`` fraction of the layer's output tiles is chosen
+(at least one) and the mask covers them, every pixel of each: the unit's output is defined on those pixels
+(the active pixels, also what the peers get), and it runs the tiles its mask activates (``blocks_active``;
+``actual_sparsity`` follows from it). The sparse time is the whole layer call with the mask (active
+blocks, gather, convolutions, BN/ReLU, scatter). ``fwd``: eval mode under ``torch.no_grad()`` (BN folded
+into the convolutions on both sides); ``speedup`` is the layer's normal path, a unit whose caller keeps
+its input (it writes a copy); ``sparse_inplace_ms`` / ``speedup_inplace`` give the path the backbone takes
+for the stage's own intermediates (the unit writes into its input; in ``fwd+bwd`` too, on a non-leaf
+input made before the timer starts). ``fwd+bwd``: training mode (batch statistics), forward and backward
+of a fixed output gradient, input gradient included. Every time is the best of ``reps`` after a warm-up
 (the median is recorded too). Each row reports the best block size; ``speedup`` = dense / sparse at that
 block size, ``ideal`` = 1 / (1 - actual block sparsity), ``auto_speedup`` = dense / min(dense, sparse)
 (what ``block_size="auto"`` may reach by choosing dense). Time shares of the sparse path's phases
@@ -40,21 +42,36 @@ operations, suffers most, and the numbers stop meaning anything. One thread give
 The allocator matters on this machine: large fresh allocations pay page faults, and glibc's
 ``MALLOC_MMAP_MAX_=0`` (exported by the Makefile) keeps them on the heap. Dense and sparse always run
 in the same process under the same setting; the setting is printed and recorded in every row.
-Optional: ``spconv`` (``pip install spconv``, not a project dependency): a SubMConv2d on the same active
-pixels, when it imports. ``quick=true``: stages 1 and 4, 50 % and 90 %, block 16, two reps, dense
-timed only in the layout the full runs found faster (NHWC forward, NCHW forward+backward): < 1 min.
+
+Correctness: in forward rows every timed call's output (warm-ups included) is compared with a float64
+reference composed from ``torch.nn.functional`` (:func:`dense_reference`): the dense twin at every pixel,
+the sparse unit at the active pixels. A part with any wrong call (error above
+:data:`TOLERANCE` x max(1, max |reference|), or not finite) keeps no time: the row says ``WRONG``, how
+many calls and by how much (:class:`Check`).
+
+Peers (``spconv=true``, conv3x3 forward rows): spconv's ``SubMConv2d`` on the same active pixels, same
+channels and dtype, timed with its rulebook built in each call and with
+the rulebook of a first call reused, beside the dense twin and our unit, at each of ``peer_threads``
+(CPU; on a GPU once); each call checked against a dense 3x3 convolution of the masked map
+(:func:`spconv_peer`). spconv is not a project dependency (``pip install spconv==2.3.8`` into the
+environment that runs this): where it does not import or run, its cells say ``skipped`` and a note why.
+
+``quick=true``: stages 1 and 4, 50 % and 90 %, block 16, two reps, dense timed only in the layout
+the full runs found faster (NHWC forward, NCHW forward+backward): a smoke test of about two minutes.
 Writes JSON (a list of rows) to ``out`` and a markdown table to ``md`` (default: ``out`` with ``.md``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -64,9 +81,8 @@ from detector.cli import parse_args
 from detector.machine import allocator_env, cpu_model
 from detector.nn.block_pass import BlockPass
 from detector.nn.chain import SparseConvChain, zeros_in_layout
-from detector.nn.geometry import BlockSpan, level_masks
 from detector.nn.resnet import SparseResidualUnit
-from detector.ops import reduce_mask, sparse_gather, sparse_scatter, sparse_scatter_
+from detector.ops import sparse_gather, sparse_scatter, sparse_scatter_
 
 USAGE = __doc__
 DEFAULTS = {
@@ -83,6 +99,7 @@ DEFAULTS = {
     "threads": 1,
     "layout": "nhwc",
     "spconv": True,
+    "peer_threads": "1,2",
     "device": "cpu",
     "dtype": "float32",
 }
@@ -95,20 +112,199 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn: Callable[..., object], reps: int, setup: Callable[[], object] | None = None) -> tuple[float, float]:
+def timed(
+    fn: Callable[..., object],
+    reps: int,
+    setup: Callable[[], object] | None = None,
+    check: Callable[[object], None] | None = None,
+) -> tuple[float, float]:
     """(best, median) milliseconds of ``reps`` calls after one warm-up call; ``setup()`` (untimed) makes
-    each call's argument."""
+    each call's argument; ``check(output)`` (untimed) is given the output of every call, the warm-up's too."""
     arg = () if setup is None else (setup(),)
-    fn(*arg)
+    out = fn(*arg)
+    if check is not None:
+        check(out)
+    del out
     ts = []
     for _ in range(reps):
         arg = () if setup is None else (setup(),)
         _sync()
         t0 = time.perf_counter()
-        fn(*arg)
+        out = fn(*arg)
         _sync()
         ts.append((time.perf_counter() - t0) * 1e3)
+        if check is not None:
+            check(out)
+        del out
     return min(ts), statistics.median(ts)
+
+
+# ------------------------------------------------------------------ correctness of every timed call
+# Largest accepted max abs error at the checked sites, relative to max(1, max |reference|): float32 with
+# float32 accumulation; TF32 (cuDNN's default for float32 convolutions on a GPU) and bfloat16 round more.
+TOLERANCE = {"float32": 1e-3, "tf32": 1e-2, "bfloat16": 5e-2, "float16": 1e-2}
+
+
+def tolerance(dtype: torch.dtype, device: torch.device) -> float:
+    name = str(dtype).removeprefix("torch.")
+    if name == "float32" and device.type == "cuda" and torch.backends.cudnn.allow_tf32:
+        name = "tf32"
+    return TOLERANCE[name]
+
+
+@dataclass
+class Check:
+    """The errors of checked calls against their reference: how many calls, how many wrong (error above
+    ``tol``, or not finite), the largest error. A timing is only a speed when every call was right."""
+
+    tol: float
+    calls: int = 0
+    wrong: int = 0
+    max_abs_err: float = 0.0
+
+    def add(self, err: float) -> None:
+        err = err if math.isfinite(err) else math.inf
+        self.calls += 1
+        self.wrong += not err <= self.tol
+        self.max_abs_err = max(self.max_abs_err, err)
+
+    @property
+    def ok(self) -> bool:
+        return self.calls > 0 and self.wrong == 0
+
+    def verdict(self) -> str:
+        if not self.calls:
+            return "unchecked"
+        if self.ok:
+            return "ok"
+        return f"WRONG {self.wrong}/{self.calls} calls, max abs err {self.max_abs_err:.3g}"
+
+    def as_dict(self) -> dict[str, object]:
+        e = self.max_abs_err
+        return {"ok": self.ok, "calls": self.calls, "wrong": self.wrong,
+                "max_abs_err": float(f"{e:.3g}") if math.isfinite(e) else "inf", "tol": float(f"{self.tol:.3g}")}
+
+
+def site_error(values: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |values - ref| (``[P, C]`` each); infinite when the shapes differ or a value is not finite."""
+    if tuple(values.shape) != tuple(ref.shape):
+        return math.inf
+    if not values.numel():
+        return 0.0
+    err = (values.double() - ref).abs().max().item()
+    return err if math.isfinite(err) else math.inf
+
+
+def at_sites(out: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
+    """``[P, C]``: a map ``out [N, C, H, W]`` (either layout) at ``coords [P, 3]`` = (n, y, x)."""
+    c = coords.long()
+    return out.permute(0, 2, 3, 1)[c[:, 0], c[:, 1], c[:, 2]]
+
+
+def new_check(ref: torch.Tensor, rel_tol: float) -> Check:
+    """A :class:`Check` whose tolerance is ``rel_tol`` x max(1, max |ref|)."""
+    return Check(rel_tol * max(1.0, ref.abs().max().item() if ref.numel() else 0.0))
+
+
+def map_checker(chk: Check, ref: torch.Tensor, coords: torch.Tensor | None = None) -> Callable[[object], None]:
+    """The function :func:`timed` calls with each output map: its error against the float64 reference map
+    ``ref`` at ``coords`` (None: every pixel) goes to ``chk``."""
+    ref_at = ref if coords is None else at_sites(ref, coords)
+
+    def check(out: object) -> None:
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(ref.shape):
+            chk.add(math.inf)
+        else:
+            chk.add(site_error(out if coords is None else at_sites(out, coords), ref_at))
+
+    return check
+
+
+def dense_reference(unit: SparseConvChain, x: torch.Tensor) -> torch.Tensor:
+    """The eval-mode output of a post-activation unit on the whole map, in float64, composed here from
+    ``torch.nn.functional`` (convolution, BN with its running statistics, ReLU) by the ResNet v1 rule:
+    ``a = relu(bn_i(conv_i(a)))`` for all but the last convolution, ``out = relu(bn(conv(a)) + shortcut)``
+    with shortcut ``x`` (identity) or 0 (none). The sparse path must equal it at its active sites."""
+    if unit.preact or unit.shortcut not in ("none", "identity"):
+        raise ValueError(f"dense_reference: no rule here for {unit.name} (preact or projection)")
+    x64 = x.double()
+    a = x64
+    L = len(unit.convs)
+    for i, (conv, bn) in enumerate(zip(unit.convs, unit.bns, strict=True)):
+        z = F.conv2d(a, conv.weight.double(), None, conv.stride, conv.padding)
+        z = F.batch_norm(z, bn.running_mean.double(), bn.running_var.double(), bn.weight.double(),
+                         bn.bias.double(), False, 0.0, bn.eps)
+        a = F.relu(z) if i < L - 1 else z
+    return F.relu(a + x64 if unit.shortcut == "identity" else a)
+
+
+def subm_reference(x: torch.Tensor, sites: torch.Tensor, weight: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
+    """``[P, C_out]``, float64: a submanifold 3x3 convolution, computed densely - the convolution
+    (cross-correlation, padding 1) of the map masked to its active ``sites [N, 1, H, W]`` with ``weight
+    [C_out, C_in, 3, 3]``, read at ``coords [P, 3]``: a site sums its active neighbours only."""
+    masked = x.double() * sites.double()
+    return at_sites(F.conv2d(masked, weight.double(), padding=1), coords)
+
+
+def peer_entry(best_median: tuple[float, float], chk: Check) -> dict[str, object]:
+    """A timed call as a result: its best and median ms when every checked call was right, else no time
+    (a wrong output is never a speed), and the check."""
+    ok = chk.ok
+    return {"ms": round(best_median[0], 3) if ok else None,
+            "ms_median": round(best_median[1], 3) if ok else None, "check": chk.as_dict(),
+            "verdict": chk.verdict()}
+
+
+SPCONV_MISSING = ("spconv does not import here ({why}); `pip install spconv==2.3.8` (CPU) or a CUDA wheel "
+                  "(spconv-cu12x) adds the row; it is not a project dependency")
+
+
+def spconv_peer(x: torch.Tensor, sites: torch.Tensor, coords: torch.Tensor, reps: int, tol: float) -> dict:
+    """spconv's ``SubMConv2d`` (C -> C, 3x3, no bias) on the active pixels ``coords`` of ``x`` in its
+    device and dtype, timed with the rulebook (indice pairs) built in every call (``with_rulebook``) and
+    reusing the pairs of a first call (``rulebook_reused``); every call's output checked against
+    :func:`subm_reference`. ``{"skipped": why}`` when spconv does not import or run here."""
+    try:
+        import spconv.pytorch as spconv  # optional benchmark dependency, never a project one
+    except Exception as exc:
+        return {"skipped": SPCONV_MISSING.format(why=f"{type(exc).__name__}: {exc}")}
+    try:
+        N, C, H, W = x.shape
+        # spconv reads the indices' raw buffer, ignoring strides: nonzero()'s result is not contiguous
+        coords = coords.int().contiguous()
+        feats = at_sites(x, coords).contiguous()
+        conv = spconv.SubMConv2d(C, C, 3, bias=False, indice_key="subm").to(x.device, x.dtype)
+        ref = subm_reference(x, sites, conv.weight.detach().permute(0, 3, 1, 2), coords)  # [out, kh, kw, in]
+        key = coords.long()
+        lin = (key[:, 0] * H + key[:, 1]) * W + key[:, 2]
+        order = lin.argsort()
+        lin_sorted = lin[order]
+        results = {}
+        with torch.no_grad():
+            first = conv(spconv.SparseConvTensor(feats, coords, [H, W], N))
+            # the reused rulebook belongs to the first output's indices: the features in their order
+            first_feats = at_sites(x, first.indices).contiguous()
+            for name, call in (
+                ("with_rulebook", lambda: conv(spconv.SparseConvTensor(feats, coords, [H, W], N))),
+                ("rulebook_reused", lambda: conv(first.replace_feature(first_feats))),
+            ):
+                chk = new_check(ref, tol)
+
+                def check(y, chk=chk) -> None:
+                    # the output's sites must be the input's (in any order); each compared with the reference
+                    oc = y.indices.long()
+                    ol = (oc[:, 0] * H + oc[:, 1]) * W + oc[:, 2]
+                    oo = ol.argsort()
+                    if ol.shape != lin.shape or not torch.equal(ol[oo], lin_sorted):
+                        chk.add(math.inf)
+                    else:
+                        chk.add(site_error(y.features[oo], ref[order]))
+
+                results[name] = peer_entry(timed(call, reps, check=check), chk)
+        return results
+    except Exception as exc:  # e.g. a build without kernels for this device or dtype: a note, not a failure
+        first_line = str(exc).splitlines()[0][:200] if str(exc) else ""
+        return {"skipped": f"spconv failed here ({type(exc).__name__}: {first_line})"}
 
 
 def make_layer(layer: str, C: int, block: int) -> torch.nn.Module:
@@ -129,28 +325,28 @@ def block_params(m: SparseConvChain, H: int, W: int):
 
 
 def random_tile_mask(bp, N: int, sparsity: float, seed: int) -> tuple[torch.Tensor, int]:
-    """A mask with one pixel at the centre of a random (1 - sparsity) share of the output tiles."""
+    """A mask covering a random (1 - sparsity) share of the output tiles (every pixel of each chosen tile, at
+    the input resolution), and how many tiles it covers."""
     total = N * bp.num_blocks
     k = max(1, round((1.0 - sparsity) * total))
     g = torch.Generator().manual_seed(seed)
     chosen = torch.randperm(total, generator=g)[:k]
     n, rest = chosen // bp.num_blocks, chosen % bp.num_blocks
     by, bx = rest // bp.bcount_w, rest % bp.bcount_w
-    s = bp.stride_h
-    cy = (by * bp.obsize_h * s + bp.obsize_h * s // 2).clamp(max=bp.in_h - 1)
-    cx = (bx * bp.obsize_w * s + bp.obsize_w * s // 2).clamp(max=bp.in_w - 1)
-    mask = torch.zeros(N, 1, bp.in_h, bp.in_w)
-    mask[n, 0, cy, cx] = 1.0
-    return mask, k
+    th, tw = bp.obsize_h * bp.stride_h, bp.obsize_w * bp.stride_w
+    tiles = torch.zeros(N, bp.bcount_h, bp.bcount_w)
+    tiles[n, by, bx] = 1.0
+    mask = tiles.repeat_interleave(th, 1).repeat_interleave(tw, 2)[:, None, : bp.in_h, : bp.in_w]
+    return mask.contiguous(), k
 
 
 def sparse_phases(m, x, mask, bp, backward: bool, reps: int) -> dict[str, float]:
     """Best-of-reps milliseconds of each phase of the sparse path (with its backward if asked)."""
-    idx = reduce_mask(mask, bp, tol=m.tol)
-    out: dict[str, float] = {"reduce_mask": timed(lambda: reduce_mask(mask, bp, tol=m.tol), reps)[0]}
+    blocks = m.active_blocks(mask)
+    idx = blocks.indices
+    out: dict[str, float] = {"reduce_mask": timed(lambda: m.active_blocks(mask), reps)[0]}
     geo = m.geometry(x.shape[2], x.shape[3])
-    span = BlockSpan.of(idx)
-    masks = [level_masks(idx, lv, span) for lv in geo.levels]
+    masks = blocks.level_masks(geo.levels)
     identity = m.shortcut == "identity"
     post = identity and not m.preact  # relu(x + tile) done by the scatter
 
@@ -197,43 +393,51 @@ def sparse_phases(m, x, mask, bp, backward: bool, reps: int) -> dict[str, float]
     return out
 
 
-def spconv_time(x, mask_tiles, C, reps) -> tuple[float, float] | None:
-    """SubMConv2d (spconv, CPU) on the active tiles' pixels: (best ms, max abs error); None when spconv
-    does not import or run. The error is against SubM semantics computed densely - a 3x3 convolution of
-    the masked input with spconv's own weight (layout [out, kh, kw, in]) - read at the active pixels."""
-    try:
-        import spconv.pytorch as spconv  # optional benchmark dependency
-    except Exception:
-        return None
-    try:
-        N, _, H, W = x.shape
-        coords = mask_tiles[:, 0].nonzero().int()  # (n, y, x)
-        feats = x.permute(0, 2, 3, 1)[
-            coords[:, 0].long(), coords[:, 1].long(), coords[:, 2].long()
-        ].contiguous()
-        conv = spconv.SubMConv2d(C, C, 3, bias=False)
-        with torch.no_grad():
-            ms = timed(lambda: conv(spconv.SparseConvTensor(feats, coords, [H, W], N)), reps)[0]
-            y = conv(spconv.SparseConvTensor(feats, coords, [H, W], N))
-            ref = F.conv2d(x * mask_tiles, conv.weight.permute(0, 3, 1, 2).contiguous(), padding=1)
-            oc = y.indices.long()
-            err = (y.features - ref.permute(0, 2, 3, 1)[oc[:, 0], oc[:, 1], oc[:, 2]]).abs().max().item()
-        if err > 1e-3:
-            print(
-                f"spconv: WARNING output differs from a 3x3 convolution by up to {err:.3g}", file=sys.stderr
-            )
-        return ms, err
-    except Exception as exc:  # CPU builds may lack kernels: report, do not fail the benchmark
-        print(f"spconv: skipped ({type(exc).__name__}: {exc})", file=sys.stderr)
-        return None
+def withhold_wrong(row: dict, checks: dict[str, Check]) -> None:
+    """Record each part's check in ``row["check"]`` and take out every time a wrong output would stand
+    behind: a wrong dense twin voids the row's ratios, a wrong sparse call its sparse times."""
+    row["check"] = {k: c.as_dict() for k, c in checks.items()}
+    void = []
+    if not checks["dense"].ok:
+        void += ["dense_ms", "dense_ms_median", "dense_ms_nchw", "dense_ms_nhwc", "speedup", "auto_speedup",
+                 "speedup_inplace"]
+    if not checks["sparse"].ok:
+        void += ["sparse_ms", "sparse_ms_median", "sparse_ms_by_block", "speedup", "auto_speedup"]
+    if "sparse_inplace" in checks and not checks["sparse_inplace"].ok:
+        void += ["sparse_inplace_ms", "speedup_inplace"]
+    for key in void:
+        if key in row:
+            row[key] = None
 
 
-def tile_pixels(bp, idx: torch.Tensor, N: int) -> torch.Tensor:
-    grid = torch.zeros(N, bp.bcount_h, bp.bcount_w)
-    i = idx.long()
-    grid[i[:, 0], i[:, 1], i[:, 2]] = 1
-    m = grid.repeat_interleave(bp.obsize_h, 1).repeat_interleave(bp.obsize_w, 2)
-    return m[:, None, : bp.out_h, : bp.out_w]
+def peers(m, x_dense, x, mask, ref, sites, coords, reps: int, tol: float, threads: list[int],
+          dense_cache: dict, stage: int) -> list[dict]:
+    """The conv3x3 forward row's peers at each thread count (0: leave the threads as they are): the dense
+    twin (``x_dense``: the layout the row found faster; timed once per stage and thread count), our unit
+    at the row's block size, spconv's SubMConv2d on the same active pixels (:func:`spconv_peer`); every call
+    checked. Each is timed at that thread count, in turn, in this process."""
+    before = torch.get_num_threads()
+    out = []
+    try:
+        for t in threads:
+            if t:
+                torch.set_num_threads(t)
+            if (stage, t) not in dense_cache:
+                chk = new_check(ref, tol)
+                dense_cache[stage, t] = peer_entry(
+                    timed(lambda: _eval(m, x_dense), reps, check=map_checker(chk, ref)), chk)
+            chk = new_check(ref, tol)
+            ours = peer_entry(timed(lambda: _eval(m, x, mask=mask), reps, check=map_checker(chk, ref, coords)), chk)
+            out.append({"threads": t or None, "dense": dense_cache[stage, t], "ours": ours,
+                        "spconv_subm": spconv_peer(x, sites, coords, reps, tol)})
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
+def _eval(m, x, **kw):
+    with torch.no_grad():
+        return m(x, **kw)
 
 
 def environment() -> dict[str, object]:
@@ -274,6 +478,10 @@ def run(args: dict) -> list[dict]:
             flush=True,
         )
     print(" ".join(HEADER), flush=True)
+    tol = env["check_rel_tol"] = tolerance(dtype, device)
+    # the peers' thread counts (CPU); on a GPU one entry, the host's threads do not matter
+    peer_threads = [int(t) for t in str(args["peer_threads"]).split(",")] if device.type == "cpu" else [0]
+    dense_peer: dict[tuple[int, int], dict] = {}
     rows = []
     for stage in stages:
         H, W, C = STAGES[stage]
@@ -289,6 +497,9 @@ def run(args: dict) -> list[dict]:
             for pas in passes:
                 backward = pas == "fwd+bwd"
                 m = make_layer(layer, C, blocks[0]).to(device, dtype).train(backward)
+                # forward rows: every timed call checked against the float64 reference (fwd+bwd: training-mode
+                # BN normalizes by the statistics of the pixels it computes, by definition not the dense twin's)
+                ref = None if backward else dense_reference(m, x_nchw)
 
                 def call(x_, g_, m=m, backward=backward, **kw):
                     if not backward:
@@ -304,23 +515,32 @@ def run(args: dict) -> list[dict]:
                 # the dense twin in both layouts, its best is the baseline (quick: only the layout that
                 # the full runs found faster on this CPU - NHWC forward, NCHW forward+backward)
                 layouts = [("nchw" if backward else "nhwc")] if quick else list(maps)
-                dense = {lay: timed(lambda xg=maps[lay], call=call: call(*xg), reps) for lay in layouts}
+                dense_chk = Check(0.0) if ref is None else new_check(ref, tol)
+                dense_fn = None if ref is None else map_checker(dense_chk, ref)
+                dense = {lay: timed(lambda xg=maps[lay], call=call: call(*xg), reps, check=dense_fn)
+                         for lay in layouts}
                 dense_layout = min(dense, key=lambda k: dense[k][0])
                 dense_ms, dense_med = dense[dense_layout]
                 for sp in sparsities:
                     best = None
                     per_block = {}
+                    sparse_chk = Check(0.0) if ref is None else new_check(ref, tol)
                     for b in blocks:
                         m.block_size = b
                         bp = block_params(m, H, W)
                         mask, k = random_tile_mask(bp, N, sp, seed=1000 * stage + b)
                         mask = mask.to(device, dtype)
-                        assert reduce_mask(mask, bp, tol=m.tol).shape[0] == k
-                        ms, med = timed(lambda call=call, mask=mask, x=x, g=g: call(x, g, mask=mask), reps)
+                        # the tiles the unit runs: those its mask activates (all of the chosen ones)
+                        k = m.active_blocks(mask).count
+                        # the active pixels: where the unit's output is defined, and what spconv gets
+                        sites = (mask > m.tol).to(dtype)
+                        coords = sites[:, 0].nonzero()
+                        fn = None if ref is None else map_checker(sparse_chk, ref, coords)
+                        ms, med = timed(lambda call=call, mask=mask, x=x, g=g: call(x, g, mask=mask), reps, check=fn)
                         per_block[b] = ms
                         if best is None or ms < best[1]:
-                            best = (b, ms, med, mask, k, bp)
-                    b, sparse_ms, sparse_med, mask, k, bp = best
+                            best = (b, ms, med, mask, k, bp, sites, coords)
+                    b, sparse_ms, sparse_med, mask, k, bp, sites, coords = best
                     m.block_size = b
                     actual = 1.0 - k / (N * bp.num_blocks)
                     phases = sparse_phases(m, x, mask, bp, backward, reps)
@@ -346,6 +566,7 @@ def run(args: dict) -> list[dict]:
                         "block_size": b,
                         "blocks_active": k,
                         "blocks_total": N * bp.num_blocks,
+                        "active_pixels": int(coords.shape[0]),
                         "actual_sparsity": round(actual, 4),
                         "sparse_ms_by_block": {str(kk): round(v, 3) for kk, v in per_block.items()},
                         "dense_layout": dense_layout,
@@ -357,6 +578,7 @@ def run(args: dict) -> list[dict]:
                         "shares": {p: round(phases[p] / total, 3) for p in PHASES},
                         **env,
                     }
+                    checks = {"dense": dense_chk, "sparse": sparse_chk}
                     if layer == "bottleneck":  # the unit writing into its own input (an intermediate it owns)
                         if backward:
 
@@ -375,17 +597,22 @@ def run(args: dict) -> list[dict]:
 
                             def step(xo, m=m, mask=mask):
                                 with torch.no_grad():
-                                    m(xo, mask=mask, inplace=True)
+                                    return m(xo, mask=mask, inplace=True)
 
-                        ms = timed(step, reps, setup=owned)[0]
+                        checks["sparse_inplace"] = Check(0.0) if ref is None else new_check(ref, tol)
+                        fn = None if ref is None else map_checker(checks["sparse_inplace"], ref, coords)
+                        ms = timed(step, reps, setup=owned, check=fn)[0]
                         row["sparse_inplace_ms"] = round(ms, 3)
                         row["speedup_inplace"] = round(dense_ms / ms, 3)
-                    if layer == "conv3x3" and not backward and args["spconv"] and device.type == "cpu":
-                        t = spconv_time(x, tile_pixels(bp, reduce_mask(mask, bp), N), C, reps)
-                        if t is not None:
-                            row["spconv_subm_ms"], row["spconv_max_abs_err"] = round(t[0], 3), t[1]
+                    if ref is not None:
+                        withhold_wrong(row, checks)
+                    if layer == "conv3x3" and not backward and args["spconv"]:
+                        row["peers"] = peers(m, maps[dense_layout][0], x, mask, ref, sites, coords, reps, tol,
+                                             peer_threads, dense_peer, stage)
                     rows.append(row)
                     print(fmt_row(row), flush=True)
+                    for pr in row.get("peers", ()):
+                        print(fmt_peer(row, pr), flush=True)
     load1 = os.getloadavg()[0]
     for r in rows:
         r["load_avg_start"], r["load_avg_end"] = round(load0, 2), round(load1, 2)
@@ -407,24 +634,73 @@ HEADER = (
     "bound",
     "auto",
     "reduce/gather/conv/scatter %",
+    "check",
+)
+PEER_HEADER = (
+    "stage",
+    "sparsity",
+    "active pixels",
+    "threads",
+    "dense ms",
+    "ours ms (block)",
+    "spconv ms, rulebook built",
+    "spconv ms, rulebook reused",
+    "spconv reused / ours",
 )
 
 
 _SUFFIX = {"nchw": "c", "nhwc": "h"}
 
 
+def _num(v: float | None, spec: str, suffix: str = "") -> str:
+    """A time or ratio; ``WRONG`` where the check withheld it (a wrong output is never a speed)."""
+    return "WRONG" if v is None else f"{v:{spec}}{suffix}"
+
+
 def _inplace(r: dict) -> str:
-    return f"{r['speedup_inplace']:.2f}x" if "speedup_inplace" in r else "-"
+    return _num(r["speedup_inplace"], ".2f", "x") if "speedup_inplace" in r else "-"
+
+
+def row_verdict(r: dict) -> str:
+    """``ok``, ``-`` (fwd+bwd rows: not checked), or which part was wrong, in how many calls, by how much."""
+    if "check" not in r:
+        return "-"
+    bad = [f"{part} {c['wrong']}/{c['calls']} calls wrong, max abs err {c['max_abs_err']}"
+           for part, c in r["check"].items() if not c["ok"]]
+    return "WRONG: " + "; ".join(bad) if bad else "ok"
 
 
 def fmt_row(r: dict) -> str:
     sh = "/".join(f"{100 * r['shares'][p]:.0f}" for p in PHASES)
     return (
         f"{r['layer']:10s} {r['stage']:1d} {r['H']:3d}x{r['W']:3d}x{r['C']:3d} {r['sparsity']:5.2f} "
-        f"{r['pass']:7s} {r['block_size']:3d} {r['dense_ms']:9.1f}{_SUFFIX[r['dense_layout']]} "
-        f"{r['sparse_ms']:9.1f} "
-        f"{r['speedup']:6.2f}x {_inplace(r):>7s} {r['ideal']:6.1f}x {r['bound']:6.1f}x {r['auto_speedup']:6.2f}x  {sh}"
+        f"{r['pass']:7s} {r['block_size']:3d} {_num(r['dense_ms'], '9.1f')}{_SUFFIX[r['dense_layout']]} "
+        f"{_num(r['sparse_ms'], '9.1f')} "
+        f"{_num(r['speedup'], '6.2f', 'x')} {_inplace(r):>7s} {r['ideal']:6.1f}x {r['bound']:6.1f}x "
+        f"{_num(r['auto_speedup'], '6.2f', 'x')}  {sh}  {row_verdict(r)}"
     )
+
+
+def _peer_ms(e: dict) -> str:
+    if "skipped" in e:
+        return "skipped"
+    return e["verdict"] if e["ms"] is None else f"{e['ms']:.1f}"
+
+
+def peer_cells(r: dict, pr: dict) -> list[str]:
+    """One peer entry of a conv3x3 forward row as the cells of :data:`PEER_HEADER`."""
+    sp = pr["spconv_subm"]
+    built, reused = ({"skipped": sp["skipped"]},) * 2 if "skipped" in sp else (sp["with_rulebook"],
+                                                                                sp["rulebook_reused"])
+    ours, ratio = pr["ours"], "-"
+    if ours["ms"] is not None and reused.get("ms") is not None:
+        ratio = f"{reused['ms'] / ours['ms']:.2f}x"
+    return [str(r["stage"]), f"{r['sparsity']:.2f}", str(r["active_pixels"]), str(pr["threads"] or "-"),
+            _peer_ms(pr["dense"]), f"{_peer_ms(ours)} ({r['block_size']})", _peer_ms(built), _peer_ms(reused), ratio]
+
+
+def fmt_peer(r: dict, pr: dict) -> str:
+    return "  peers: " + " | ".join(f"{h} {c}" for h, c in zip(PEER_HEADER, peer_cells(r, pr), strict=True))
 
 
 def markdown(rows: list[dict], command: str) -> str:
@@ -448,6 +724,14 @@ def markdown(rows: list[dict], command: str) -> str:
         "`ideal` = 1 / (1 - actual block sparsity); `auto` = dense / min(dense, sparse) "
         "(block_size='auto' may choose dense). Shares: phases of the sparse path timed separately "
         "(with backward in fwd+bwd rows). fwd = eval mode, no grad; fwd+bwd = training mode. "
+        "`check` (fwd rows): the output of every timed call, warm-ups included - dense at every pixel, "
+        "sparse (every block size tried, and in place) at the active pixels (the mask's: every pixel of "
+        "the chosen tiles) - against a "
+        "float64 reference composed from torch.nn.functional (convolution, BN with running statistics, "
+        f"ReLU, shortcut); wrong = max abs error above {r0['check_rel_tol']:g} x max(1, max |reference|), "
+        "or not finite; "
+        "a wrong part's times are withheld (`WRONG`). fwd+bwd rows are not checked (`-`): training-mode "
+        "BN normalizes by the statistics of the pixels it computes, by definition not the dense twin's. "
         "Generated by scripts/bench_sparse.py.",
         "",
         "| " + " | ".join(HEADER) + " |",
@@ -457,27 +741,50 @@ def markdown(rows: list[dict], command: str) -> str:
         sh = " / ".join(f"{100 * r['shares'][p]:.0f}" for p in PHASES)
         lines.append(
             f"| {r['layer']} | {r['stage']} | {r['H']}x{r['W']}x{r['C']} | {r['sparsity']:.2f} | "
-            f"{r['pass']} | {r['block_size']} | {r['dense_ms']:.1f} {_SUFFIX[r['dense_layout']]} | "
-            f"{r['sparse_ms']:.1f} | {r['speedup']:.2f}x | {_inplace(r)} | "
-            f"{r['ideal']:.1f}x | {r['bound']:.1f}x | {r['auto_speedup']:.2f}x | {sh} |"
+            f"{r['pass']} | {r['block_size']} | {_num(r['dense_ms'], '.1f')} {_SUFFIX[r['dense_layout']]} | "
+            f"{_num(r['sparse_ms'], '.1f')} | {_num(r['speedup'], '.2f', 'x')} | {_inplace(r)} | "
+            f"{r['ideal']:.1f}x | {r['bound']:.1f}x | {_num(r['auto_speedup'], '.2f', 'x')} | {sh} | "
+            f"{row_verdict(r)} |"
         )
-    sp = [r for r in rows if "spconv_subm_ms" in r]
-    if sp:
-        lines += [
-            "",
-            "spconv SubMConv2d (CPU) on the same active pixels; `max abs err` is against a dense 3x3 "
-            "convolution of the masked input with spconv's weight at those pixels (SubM semantics): a "
-            "large error means spconv's CPU output is not that convolution, so its time is no comparison.",
-            "",
-            "| conv3x3 stage | sparsity | sparse ms | spconv SubMConv2d ms | spconv max abs err |",
-            "|---|---|---|---|---|",
-        ]
-        for r in sp:
-            lines.append(
-                f"| {r['stage']} | {r['sparsity']:.2f} | {r['sparse_ms']:.1f} | {r['spconv_subm_ms']} | "
-                f"{r['spconv_max_abs_err']:.3g} |"
-            )
+    lines += peers_markdown(rows)
     return "\n".join(lines) + "\n"
+
+
+def peers_markdown(rows: list[dict]) -> list[str]:
+    """The peers section: the table of the conv3x3 forward rows' peers and what makes them comparable."""
+    pr_rows = [(r, pr) for r in rows if r.get("peers") for pr in r["peers"]]
+    if not pr_rows:
+        return []
+    r0 = pr_rows[0][0]
+    where = "a GPU" if r0.get("device", "cpu").startswith("cuda") else "the CPU"
+    lines = [
+        "",
+        "## Peers: spconv's SubMConv2d on the same active pixels",
+        "",
+        f"The conv3x3 forward rows again, on {where}, with spconv's submanifold convolution beside our unit "
+        f"and the dense twin, each timed in turn in this process at each thread count (`threads`; then back "
+        f"to the table's {r0['threads']}), best of the repetitions after a warm-up. The same input map, the "
+        "same active pixels (the mask's: every pixel of the row's chosen tiles, `active pixels`), the same channels "
+        f"(C -> C, 3x3, no bias), the same dtype ({r0.get('dtype', 'float32')}), the same allocator "
+        f"settings ({r0['allocator']}). Ours: the row's unit at its block size "
+        "(conv-BN-ReLU, BN folded into the convolution; the mask's reduction, the gather, the convolution and "
+        "the scatter into a fresh map all inside the timed call; each tile reads its halo from the whole "
+        "input). spconv (pip package spconv, not a project dependency): `SubMConv2d` on the active pixels' "
+        "features (no BN or ReLU; a pixel sums its active neighbours only), timed with its rulebook (the "
+        "indice pairs) built in every call, and reusing the pairs of a first call (`indice_key`). "
+        "Every call's output is checked: ours and dense against the float64 reference above at the active "
+        "pixels / everywhere; spconv's against a dense 3x3 convolution (torch.nn.functional.conv2d, "
+        "float64) of the map masked to the active pixels, with spconv's weight, read at those pixels (the "
+        "output's pixels must be the input's). A cell with any wrong call gives `WRONG k/n calls` and the "
+        "largest error instead of a time. `spconv reused / ours` > 1: ours is faster.",
+        "",
+        "| " + " | ".join(PEER_HEADER) + " |",
+        "|" + "---|" * len(PEER_HEADER),
+    ]
+    lines += ["| " + " | ".join(peer_cells(r, pr)) + " |" for r, pr in pr_rows]
+    notes = dict.fromkeys(pr["spconv_subm"]["skipped"] for _, pr in pr_rows if "skipped" in pr["spconv_subm"])
+    lines += [""] + [f"spconv skipped: {n}." for n in notes] if notes else []
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:
