@@ -20,7 +20,7 @@ from detector.data.kitti_labels import KittiLabels
 from detector.data.lidar_labels import LidarLabels
 from detector.errors import ConfigError
 from detector.eval.kitti_metric import POINTS, KittiResult, evaluate
-from detector.eval.protocol import DISTANCE_RANGES, LIDAR_METRICS, OVERALL
+from detector.eval.protocol import DISTANCE_RANGES, LIDAR_METRICS, MIN_OVERLAP, OVERALL
 
 
 def metric_records(labels: LidarLabels) -> KittiLabels:
@@ -34,6 +34,32 @@ def metric_records(labels: LidarLabels) -> KittiLabels:
                        labels.score)
 
 
+def missing_overlaps(classes: Sequence[str], configured: Mapping[str, float | None] | None) -> list[str]:
+    """The classes without a minimum IoU in ``configured`` (``data.classes``; None: KITTI's,
+    :data:`~detector.eval.protocol.MIN_OVERLAP`; a null value gives none)."""
+    overlaps = MIN_OVERLAP if configured is None else configured
+    return [c for c in classes if overlaps.get(c) is None]
+
+
+def overlap_overrides(missing: Sequence[str], configured: Mapping[str, float | None] | None) -> list[str]:
+    """The command-line overrides that give each class of ``missing`` a minimum IoU (0.7, the strictest KITTI
+    uses, as the example): ``+data.classes.<name>=0.7`` where the key is new (Hydra refuses a new key without ``+``),
+    without ``+`` where ``data.classes`` holds it (null); where ``data.classes`` is null (KITTI's three in use) the
+    whole mapping, KITTI's three kept, as the classes it names are then the only known ones."""
+    if configured is None:
+        items = {**MIN_OVERLAP, **dict.fromkeys(missing, 0.7)}
+        return ["'data.classes={" + ",".join(f"{c}:{v}" for c, v in items.items()) + "}'"]
+    return [f"{'' if c in configured else '+'}data.classes.{c}=0.7" for c in missing]
+
+
+def missing_overlap_message(missing: Sequence[str], configured: Mapping[str, float | None] | None) -> str:
+    """The error of classes scored without a minimum IoU: what ``data.classes`` has, and the overrides that add
+    theirs (:func:`overlap_overrides`)."""
+    has = ", ".join(MIN_OVERLAP if configured is None else configured) or "none"
+    return (f"data.classes has no minimum IoU for class(es) {', '.join(missing)} (it has {has}): add "
+            f"{' '.join(overlap_overrides(missing, configured))}")
+
+
 def evaluate_lidar(
     gt: Sequence[LidarLabels],
     dt: Sequence[LidarLabels],
@@ -45,10 +71,8 @@ def evaluate_lidar(
     ``min_overlap``: {class: minimum IoU}; ``classes`` (default: its keys) the classes scored, each must have
     one (else a :class:`ConfigError` naming ``data.classes``)."""
     classes = tuple(classes if classes is not None else min_overlap)
-    missing = [c for c in classes if c not in min_overlap]
-    if missing:
-        raise ConfigError(f"data.classes has no minimum IoU for class(es) {', '.join(missing)} "
-                          f"(it has {', '.join(min_overlap) or 'none'}): add e.g. data.classes.{missing[0]}=0.7")
+    if missing := missing_overlaps(classes, min_overlap):
+        raise ConfigError(missing_overlap_message(missing, min_overlap))
     return evaluate([metric_records(g) for g in gt], [metric_records(d) for d in dt], classes=classes,
                     metrics=LIDAR_METRICS, distance_ranges=distance_ranges,
                     min_overlap={c: float(min_overlap[c]) for c in classes}, levels=(OVERALL,))

@@ -39,6 +39,20 @@ DEFAULT_ANCHORS = {
 NEIGHBOURS = {"Car": ("Van",), "Pedestrian": ("Person_sitting",)}
 
 
+def missing_anchors(classes: Sequence[str], anchors: Mapping[str, Sequence[float] | None] | None) -> list[str]:
+    """The classes with an anchor neither in ``anchors`` (``model.coder.anchors``; a null value gives none) nor in
+    :data:`DEFAULT_ANCHORS`."""
+    anchors = anchors or {}
+    return [c for c in classes if (anchors[c] is None if c in anchors else c not in DEFAULT_ANCHORS)]
+
+
+def anchor_overrides(missing: Sequence[str], anchors: Mapping[str, Sequence[float] | None] | None) -> list[str]:
+    """The command-line overrides that give each class of ``missing`` an anchor: with Hydra's ``+`` where the key
+    is new to ``anchors`` (``model.coder.anchors``; without it Hydra refuses: "Could not override ... use +"),
+    without where the config holds it (null)."""
+    return [f"{'' if c in (anchors or {}) else '+'}model.coder.anchors.{c}=[l,w,h,z]" for c in missing]
+
+
 @dataclass
 class Targets:
     """Dense targets for a batch on the output grid (h rows, w columns)."""
@@ -65,11 +79,11 @@ class BoxCoder:
             raise ValueError("BoxCoder needs at least one class")
         if not 0 < pos_scale <= 1 <= ignore_scale:
             raise ValueError(f"need 0 < pos_scale <= 1 <= ignore_scale, got {pos_scale}, {ignore_scale}")
+        if missing := missing_anchors(self.classes, anchors):
+            fix = " ".join(anchor_overrides(missing, anchors))
+            raise ConfigError(f"model.coder.anchors: no anchor size for class(es) {', '.join(missing)}: add {fix} "
+                              "(typical length, width, height and centre height, m)")
         anchors = {**DEFAULT_ANCHORS, **(anchors or {})}
-        missing = [c for c in self.classes if c not in anchors]
-        if missing:
-            raise ConfigError(f"model.coder.anchors: no anchor size for class(es) {', '.join(missing)}: give "
-                              f"model.coder.anchors.{missing[0]}=[l,w,h,z] (typical size and centre height, m)")
         self.pos_scale = float(pos_scale)
         self.ignore_scale = float(ignore_scale)
         self.anchors = torch.tensor([anchors[c] for c in self.classes], dtype=torch.float32)  # [K, 4]
