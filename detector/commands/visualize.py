@@ -26,9 +26,8 @@ import numpy as np
 import torch
 
 from detector.cli import parse_args
+from detector.data.dataset import camera_view
 from detector.data.kitti import KittiRoot
-from detector.data.kitti_camera import in_camera_fov
-from detector.data.kitti_labels import IMAGE_SIZE
 from detector.data.lidar import open_root
 from detector.data.structures import Detections, Frame
 from detector.errors import ConfigError, KittiFormatError, is_user_error, one_line
@@ -110,8 +109,8 @@ def main(argv=None) -> int:
     except (KittiFormatError, ConfigError) as e:
         print(one_line(e), file=sys.stderr)
         return 1
-    if args["fov_only"] and frame.calib is not None:  # as the dataset does for training and evaluation
-        frame.points = frame.points[in_camera_fov(frame.points, frame.calib, frame.image_size or IMAGE_SIZE)]
+    if args["fov_only"]:  # as the dataset does for training and evaluation (a LiDAR-only frame keeps every point)
+        frame.points = camera_view(frame.points, frame.calib, frame.image_size)
     dets, grid, mask = None, None, None
     if args["ckpt_path"]:
         from detector.tasks import load_detector

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +20,29 @@ from detector.data.structures import Frame
 from detector.errors import ConfigError, KittiFormatError
 
 log = logging.getLogger(__name__)
+
+
+def camera_view(points: np.ndarray, calib: Calibration | None, image_size: tuple[int, int] | None = None
+                ) -> np.ndarray:
+    """THE field-of-view cut (``data.fov_only``; the dataset, predict and visualize call it): the points that project
+    into the left colour camera's image of ``image_size`` (width, height; None: KITTI's 1242 x 375), as KITTI
+    detectors keep them - KITTI labels objects in the camera's view only. Without a calibration (a LiDAR-only frame
+    has no camera) every point is kept."""
+    if calib is None:
+        return points
+    return points[in_camera_fov(points, calib, image_size or IMAGE_SIZE)]
+
+
+def split_overlap(first: tuple[str, Sequence[str]], second: tuple[str, Sequence[str]]) -> str | None:
+    """``"splits 'train' and 'val' share 2 frame(s) (000001, 000004)"`` (the first five named, in ``second``'s
+    order) when the two ``(name, frame ids)`` list frames in common, else None: the callers say what it costs (a
+    validation or an evaluation that scores frames the model trained on)."""
+    seen = set(first[1])
+    shared = [i for i in dict.fromkeys(second[1]) if i in seen]
+    if not shared:
+        return None
+    named = ", ".join(shared[:5]) + (", ..." if len(shared) > 5 else "")
+    return f"splits '{first[0]}' and '{second[0]}' share {len(shared)} frame(s) ({named})"
 
 
 class KittiDataset(torch.utils.data.Dataset):
@@ -156,8 +179,8 @@ class KittiDataset(torch.utils.data.Dataset):
         frame = self._cache.get(frame_id)
         if frame is None:
             frame = self.root.read_frame(frame_id, road_map=self.road_map)
-            if self.fov_only and frame.calib is not None:  # a LiDAR-only frame has no camera
-                frame.points = frame.points[in_camera_fov(frame.points, frame.calib, frame.image_size or IMAGE_SIZE)]
+            if self.fov_only:
+                frame.points = camera_view(frame.points, frame.calib, frame.image_size)
             size = _frame_bytes(frame)
             if self._cached + size > self.cache_bytes:
                 return frame

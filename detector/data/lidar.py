@@ -194,14 +194,20 @@ class UnknownClasses:
                 "trained nor scored: add the name to data.classes (with its minimum IoU) or data.ignore_classes")
 
 
-def open_root(root: str | Path, layout: str = "auto", classes: Iterable[str] | None = None,
-              ignore_classes: Iterable[str] | None = None) -> KittiRoot | LidarRoot:
-    """The dataset root at ``root``: ``kitti`` (:class:`KittiRoot`), ``lidar`` (:class:`LidarRoot`) or ``auto``
-    (a ``points/`` folder: LiDAR-only, else KITTI)."""
+def root_layout(root: str | Path, layout: str = "auto") -> str:
+    """``kitti`` or ``lidar``: ``layout``, or for ``auto`` the kind of root there is (a ``points/`` folder:
+    LiDAR-only, else KITTI - also where nothing is there yet)."""
     if layout not in LAYOUTS:
         raise ConfigError(f"data.layout={layout!r}: choose {', '.join(LAYOUTS)}")
     if layout == "auto":
-        layout = "lidar" if (Path(root).expanduser() / "points").is_dir() else "kitti"
-    if layout == "lidar":
+        return "lidar" if (Path(root).expanduser() / "points").is_dir() else "kitti"
+    return layout
+
+
+def open_root(root: str | Path, layout: str = "auto", classes: Iterable[str] | None = None,
+              ignore_classes: Iterable[str] | None = None) -> KittiRoot | LidarRoot:
+    """The dataset root at ``root``: ``kitti`` (:class:`KittiRoot`), ``lidar`` (:class:`LidarRoot`) or ``auto``
+    (:func:`root_layout`: a ``points/`` folder, LiDAR-only, else KITTI)."""
+    if root_layout(root, layout) == "lidar":
         return LidarRoot(root, classes, ignore_classes)
     return KittiRoot(Path(root).expanduser())
