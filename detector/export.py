@@ -237,7 +237,8 @@ class OnnxRunner:
 def program_forward(model: BevDetector, run: Callable[..., tuple[torch.Tensor, torch.Tensor]], source: str
                     ) -> Callable:
     """A stand-in for ``model(batch)`` in evaluation that runs ``run`` (a program or an ONNX session) on the
-    batch's BEV tensor and mask: the same :class:`DetectorOutput` for decoding."""
+    batch's BEV tensor and mask: the same :class:`DetectorOutput` for decoding, with the computation mask used (a
+    program that predicts its own, source ``net``: the model's mask net gives the same one, for the sparsity)."""
 
     def forward(batch) -> DetectorOutput:
         bev = model.voxelize(batch)
@@ -245,6 +246,8 @@ def program_forward(model: BevDetector, run: Callable[..., tuple[torch.Tensor, t
         if source == "input":
             mask = batch.mask.to(bev) if batch.mask is not None else torch.ones_like(bev[:, :1])
         heat, reg = run(bev, mask) if mask is not None else run(bev)
+        if source == "net":
+            mask = model.mask_net.computation_mask(model.mask_net(bev), bev.shape[-2:])
         sparsity = 0.0 if mask is None else float(1.0 - mask.mean())
         return DetectorOutput(heat.to(bev.device), reg.to(bev.device), mask, None, sparsity)
 

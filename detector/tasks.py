@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +22,14 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from detector.callbacks import AtomicCheckpointIO, LastCheckpoint, init_from_checkpoint, load_checkpoint
 from detector.config import check_types
 from detector.data.datamodule import KittiDataModule
+from detector.data.dataset import split_overlap
 from detector.data.kitti import KittiRoot
-from detector.data.lidar import open_root
+from detector.data.lidar import open_root, root_layout
 from detector.errors import ConfigError, KittiFormatError, is_user_error, root_cause
+from detector.eval.lidar_metric import missing_overlap_message, missing_overlaps, overlap_overrides
 from detector.geometry.voxelize import BevGrid
 from detector.models.detector import BevDetector
+from detector.models.targets import anchor_overrides, missing_anchors
 from detector.module import SCOPE, DetectorModule, frame_records, score_records, write_records
 from detector.outputs import writable_dir
 from detector.resources import config_dir
@@ -143,8 +147,35 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError(f"optimizer.lr must be a positive number, got {lr!r}")
     if not cfg.model.classes:
         raise ConfigError("model.classes must name at least one class")
+    check_class_settings(cfg.model, cfg.data)
     if (schedule := OmegaConf.select(cfg, "mask.schedule")) is not None:
         _instantiate_checked(schedule)  # MaskSchedule checks its values
+
+
+def _plain(node: Any) -> Any:
+    """A config node as plain containers (resolved); any other value as it is."""
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+
+
+def check_class_settings(model_cfg: DictConfig, data_cfg: DictConfig) -> None:
+    """Every class the model learns needs an anchor (``model.coder.anchors``, or a built-in one) and, on a LiDAR-only
+    root, a minimum IoU for the scoring of validation and evaluation (``data.classes``). Checked before any work:
+    one :class:`ConfigError` names all that is missing and the command-line overrides that add it (the same ones
+    :class:`~detector.models.targets.BoxCoder` and the LiDAR-only metric name, each alone)."""
+    classes = [str(c) for c in model_cfg.classes]
+    anchors = _plain(OmegaConf.select(model_cfg, "coder.anchors"))
+    overlaps = _plain(data_cfg.get("classes"))
+    no_anchor = missing_anchors(classes, anchors)
+    lidar = root_layout(str(data_cfg.root), data_cfg.get("layout", "kitti")) == "lidar"
+    no_iou = missing_overlaps(classes, overlaps) if lidar else []
+    if not (no_anchor or no_iou):
+        return
+    what = ([f"no anchor size for {', '.join(no_anchor)} (model.coder.anchors)"] if no_anchor else []) + (
+        [f"no minimum IoU for {', '.join(no_iou)} (data.classes: a LiDAR-only root is scored with it)"] if no_iou
+        else [])
+    fix = anchor_overrides(no_anchor, anchors) + overlap_overrides(no_iou, overlaps)
+    raise ConfigError(f"model.classes: {'; '.join(what)}: add {' '.join(fix)}"
+                      + (" (l, w, h, z: the typical length, width, height and centre height, m)" if no_anchor else ""))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -162,6 +193,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     grid = build_grid(cfg.bev)
     ensure_dataset(cfg.data)
+    _warn_split_overlap(cfg.data)
     model = build_model(cfg.model, cfg.mask, grid)
     if cfg.get("init_from"):  # a new run from a checkpoint's weights only (fine-tuning)
         print(init_from_checkpoint(model, cfg.init_from, resume=cfg.get("ckpt_path")).line())
@@ -220,6 +252,20 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if trainer.is_global_zero:
         (out_dir / "run.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def _warn_split_overlap(data_cfg: DictConfig) -> None:
+    """One warning when the training and validation splits list frames in common: validation and the evaluation
+    after training would score frames the model trained on. A split that is missing is the data module's error."""
+    root = open_root(data_cfg.root, data_cfg.get("layout", "kitti"))
+    try:
+        line = split_overlap((data_cfg.train_split, root.imageset(data_cfg.train_split)),
+                             (data_cfg.val_split, root.imageset(data_cfg.val_split)))
+    except KittiFormatError:
+        return
+    if line:
+        log.warning("data.root=%s: %s (data.train_split, data.val_split): validation and the evaluation after "
+                    "training score frames the model trains on", data_cfg.root, line)
 
 
 def _run_folder(out_dir: Path) -> Path:
@@ -417,25 +463,32 @@ def evaluate_checkpoint(ckpt_path: str | Path, data_cfg: DictConfig, out_dir: st
                         device: str | None = None, backend: str = "eager", inference_path: str | None = None
                         ) -> dict[str, Any]:
     """Run a checkpoint over ``split`` of ``data_cfg.root`` with the checkpoint's decode settings (those
-    validation used); print the KITTI table; write metrics.json and (``write_results``) the KITTI result
-    files ``out_dir/data`` and the ground truth they were scored against ``out_dir/label_2`` (both filtered
-    by :func:`detector.module.frame_records`, the translation validation uses): ``scripts/kitti_eval.py``
-    on the two folders prints the same table. ``inference_path``: :func:`load_detector`'s. Returns the metric
-    JSON."""
-    model, cfg = load_detector(ckpt_path, mask_override, inference_path)
-    device = device or ("cuda" if torch.cuda.is_available() and backend == "eager" else "cpu")
-    model.to(device).eval()
-    forward = model  # backend export / onnx: the exported network (detector/export.py), decoded the same way
-    if backend != "eager":
-        from detector.export import exported_forward
+    validation used) through :class:`detector.predict.Predictor` (the code path predict and visualize run); print
+    the table (KITTI's, or the LiDAR-only one) and, where the mask was empty or every AP is 0, one line saying what
+    to check; write metrics.json and (``write_results``) the result files ``out_dir/data`` and the ground truth
+    they were scored against ``out_dir/label_2`` (both filtered by :func:`detector.module.frame_records`, the
+    translation validation uses): ``scripts/kitti_eval.py`` on the two folders prints the same table.
+    ``inference_path``: :func:`load_detector`'s. The plan's cost model is loaded (or calibrated) before the timed
+    loop, so ``_run.time_ms_per_frame.plan`` holds the planning alone (``_run.plan_cost_model_ms``: the load).
+    Returns the metric JSON."""
+    from detector.predict import Predictor
 
-        forward = exported_forward(model, bool(cfg.model.sparse), backend, Path(out_dir) / backend)
+    device = device or ("cuda" if torch.cuda.is_available() and backend == "eager" else "cpu")
+    predictor, cfg = Predictor.from_checkpoint(ckpt_path, mask_override, device, inference_path)
+    model, sparse = predictor.model, bool(cfg.model.sparse)
+    if backend != "eager":  # the exported network (detector/export.py), masked and decoded the same way
+        predictor.use_backend(backend, sparse, Path(out_dir) / backend)
     data_cfg = data_cfg.copy()
     with open_dict(data_cfg):
         data_cfg.val_split = split
         data_cfg.augment = None
         data_cfg.batch_size = int(data_cfg.eval_batch_size or 4)
-    dm = build_datamodule(data_cfg, cfg.mask, model.grid, bool(cfg.model.sparse))
+    dm = build_datamodule(data_cfg, cfg.mask, model.grid, sparse)
+    classes = list(cfg.model.classes)
+    lidar = dm.dataset("val").root.layout == "lidar"
+    overlaps = _plain(data_cfg.get("classes"))
+    if lidar and (missing := missing_overlaps(classes, overlaps)):  # before the frames run, not after
+        raise ConfigError(missing_overlap_message(missing, overlaps))
     loader = dm.val_dataloader()
     out_dir = Path(out_dir)
     res_dir, gt_dir = out_dir / "data", out_dir / "label_2"
@@ -445,17 +498,15 @@ def evaluate_checkpoint(ckpt_path: str | Path, data_cfg: DictConfig, out_dir: st
     records, sparsity, times = [], [], {}
     outside: list[str] = []  # labeled objects not scored (box centre outside the BEV grid): "frame name distance"
     n_frames = 0
-    classes = list(cfg.model.classes)
+    cost_model_s = predictor.calibrate_plan()
     t0 = time.perf_counter()
     model.timing = True
     for batch in loader:
-        batch = batch.to(device)
-        out = forward(batch)
-        dets = model.decode(out, **decode_kwargs(cfg.model))
-        sparsity.append(out.sparsity)
-        for k, v in out.times.items():
+        p = predictor.run(batch)
+        sparsity.append(p.out.sparsity)
+        for k, v in p.out.times.items():
             times[k] = times.get(k, 0.0) + v
-        for r in frame_records(batch, dets, classes, model.grid):
+        for r in frame_records(p.batch, p.dets, classes, model.grid):
             n_frames += 1
             if write_results:
                 write_records(res_dir / f"{r.frame_id}.txt", r.dt)
@@ -471,27 +522,67 @@ def evaluate_checkpoint(ckpt_path: str | Path, data_cfg: DictConfig, out_dir: st
     result, eval_classes, table = score_records(records, classes, dm.min_overlap)
     metrics = result.to_json()
     g = model.grid
-    scope = f"{SCOPE}: x [{g.x_range[0]}, {g.x_range[1]}) y [{g.y_range[0]}, {g.y_range[1]}) m"
-    print(f"\nKITTI evaluation of {ckpt_path}\n{n_frames} frames of {data_cfg.root} split '{split}'; "
-          f"mask {'none (dense)' if not cfg.model.sparse else _mask_name(cfg.mask)}, "
-          f"mean sparsity {np.mean(sparsity):.3f}; decode {decode_kwargs(cfg.model)}\nscored: {scope}")
+    kept = SCOPE.removesuffix(" (DontCare kept)") if lidar else SCOPE  # a LiDAR-only root has no DontCare
+    scope = f"{kept}: x [{g.x_range[0]}, {g.x_range[1]}) y [{g.y_range[0]}, {g.y_range[1]}) m"
+    mean_sparsity = float(np.mean(sparsity)) if sparsity else 0.0
+    heading = (f"LiDAR-only evaluation of {ckpt_path}: BEV and 3D AP, overall and by distance from the sensor (no "
+               "camera: no DontCare, no difficulty levels)" if lidar else
+               f"KITTI evaluation of {ckpt_path}: AP by KITTI difficulty level")
+    print(f"\n{heading}\n{n_frames} frames of {data_cfg.root} split '{split}'; "
+          f"mask {'none (dense)' if not sparse else _mask_name(cfg.mask)}, "
+          f"mean sparsity {mean_sparsity:.3f}; decode {decode_kwargs(cfg.model)}\nscored: {scope}")
     print(table)
     if outside:
         print(f"not scored: {len(outside)} labeled object(s) outside the BEV grid: {'; '.join(outside[:20])}"
               + (f"; ... ({len(outside) - 20} more in metrics.json)" if len(outside) > 20 else ""))
-    if write_results and dm.dataset("val").root.layout == "kitti":
+    if hint := _evaluation_hint(ckpt_path, cfg, result, mean_sparsity, eval_classes):
+        print(f"hint: {hint}")
+    if write_results and not lidar:
         print(f"the same table from the files: python scripts/kitti_eval.py gt={gt_dir} results={res_dir} "
               f"classes={','.join(eval_classes)}")
     summary = {"frames": n_frames, "ms_per_frame": 1000 * wall / max(n_frames, 1),
                "time_ms_per_frame": {k: 1000 * v / max(n_frames, 1) for k, v in times.items() if k != "start"},
-               "mean_sparsity": float(np.mean(sparsity)) if sparsity else 0.0, "checkpoint": str(ckpt_path),
+               "plan_cost_model_ms": 1000 * cost_model_s,
+               "mean_sparsity": mean_sparsity, "checkpoint": str(ckpt_path), "backend": backend,
                "scope": scope, "decode": decode_kwargs(cfg.model),
                "outside_grid": {"count": len(outside), "objects": outside}}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "metrics.json").write_text(json.dumps({**metrics, "_run": summary}, indent=1))
     print(f"metrics: {out_dir / 'metrics.json'}"
-          + (f"; KITTI result files: {res_dir}; ground truth scored: {gt_dir}" if write_results else ""))
+          + (f"; result files: {res_dir}; ground truth scored: {gt_dir}" if write_results else ""))
     return metrics
+
+
+def _evaluation_hint(ckpt_path: str | Path, cfg: DictConfig, result: Any, mean_sparsity: float,
+                     classes: Sequence[str]) -> str | None:
+    """What to check when an evaluation found nothing: a computation mask that left (nearly) every cell out (mean
+    sparsity 0.999 or more), every AP 0, or no labeled object of the scored classes in the grid; else None."""
+    n_gt = int(sum(np.sum(n) for n in result.num_gt))
+    if n_gt == 0:
+        return (f"no labeled object of {', '.join(classes)} inside the BEV grid in these frames: check the split "
+                "and that model.classes names classes of its labels")
+    empty = mean_sparsity >= 0.999
+    if not empty and any(v > 0 for v in _leaves(result.to_json())):
+        return None
+    step = load_checkpoint(ckpt_path).get("global_step", "?")
+    if empty and cfg.mask.get("net") is not None:
+        return (f"the computation mask was empty (mean sparsity {mean_sparsity:.3f}: no cell computed, nothing can be "
+                f"found): the mask net predicted no foreground - try mask=none (the same weights, dense) or a lower "
+                f"threshold (mask=predicted mask.net.threshold=0.2), or train longer (this checkpoint: step {step})")
+    if empty:
+        return (f"the computation mask was empty (mean sparsity {mean_sparsity:.3f}: no cell computed, nothing can be "
+                f"found): the {_mask_name(cfg.mask)} mask marked nothing in these frames - try mask=none (the same "
+                "weights, dense)")
+    return (f"every AP is 0: check that the model trained long enough (this checkpoint: step {step}), that "
+            f"model.classes ({', '.join(cfg.model.classes)}) names the labels' classes, and the mask (mean sparsity "
+            f"{mean_sparsity:.3f}; mask=none runs the same weights dense)")
+
+
+def _leaves(node: Any) -> list[float]:
+    """The numbers of a metric JSON."""
+    if isinstance(node, dict):
+        return [v for x in node.values() for v in _leaves(x)]
+    return [float(node)]
 
 
 def _mask_name(mask_cfg) -> str:
@@ -501,11 +592,109 @@ def _mask_name(mask_cfg) -> str:
     return p["_target_"].rsplit(".", 1)[-1] if p is not None else "none"
 
 
+# The settings of ``data`` that describe the dataset a checkpoint trained on: evaluation takes them from its saved
+# config, where the command line does not set them; the others (batch size, workers, cache) are this run's.
+CHECKPOINT_DATA = ("root", "layout", "classes", "ignore_classes", "train_split", "val_split", "test_split",
+                   "fov_only", "skip_bad_frames")
+
+
+def checkpoint_data(cfg: DictConfig, saved_data: dict) -> tuple[DictConfig, str, list[str]]:
+    """The data settings and the split of ``evaluate``: the checkpoint's (:data:`CHECKPOINT_DATA` of its saved
+    ``data``), except where the command line sets them, and eval.yaml's ``data`` for the rest. The command line sets
+    a key by naming it (``data.root=DIR``, ``+data.classes.Forklift=0.6``, ``split=NAME``) or by choosing an option
+    of the ``data`` group: the keys in which that option differs from eval.yaml's default one (``data=lidar``: the
+    LiDAR-only layout, its root - unless ``data.root`` is given -, no camera cut, its class names and ignored names).
+    A mapping given for ``data.classes`` adds to the checkpoint's (its other classes keep their IoUs). The split:
+    ``split=``, else the checkpoint's ``val_split`` (or the command line's ``data.val_split``). A config composed
+    in code (no Hydra run) is taken as it is. Returns (data config, split, the keys the command line set)."""
+    given = _command_line_data_keys()
+    if given is None:
+        return cfg.data, cfg.split, []
+    data = OmegaConf.to_container(cfg.data, resolve=True)
+    for key in CHECKPOINT_DATA:
+        if key not in saved_data:
+            continue
+        value = copy.deepcopy(saved_data[key])
+        for path in sorted(p for p in given if p == key or p.startswith(key + ".")):
+            value = _put(value, path.split(".")[1:], _plain(OmegaConf.select(cfg.data, path)))
+        data[key] = value
+    split = cfg.split if "split" in given else data["val_split"]
+    return OmegaConf.create(data), split, sorted(given)
+
+
+def _command_line_data_keys() -> set[str] | None:
+    """The keys of ``data`` (and ``split``) this Hydra run's command line sets (:func:`checkpoint_data`); None
+    without a Hydra run."""
+    if not HydraConfig.initialized():
+        return None
+    from hydra import compose
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    keys: set[str] = set()
+    for o in OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task)):
+        key = o.key_or_group
+        if key == "split" or key.startswith("data."):
+            keys.add(key.removeprefix("data."))
+        elif key == "data" and isinstance(o.value(), str):
+            name = HydraConfig.get().job.config_name
+            chosen = compose(name, overrides=[f"data={o.value()}"]).data
+            keys |= set(_changed(_plain(compose(name).data), _plain(chosen), ""))
+    return keys
+
+
+def _changed(then: Any, now: Any, key: str) -> list[str]:
+    """The dotted keys at which two plain configs differ (a node that is a mapping on one side only: its key)."""
+    if isinstance(then, dict) and isinstance(now, dict):
+        return [d for k in then.keys() | now.keys() for d in _changed(then.get(k), now.get(k), f"{key}{k}.")]
+    return [] if then == now else [key.rstrip(".")]
+
+
+def _put(node: Any, path: list[str], value: Any) -> Any:
+    """``node`` with ``value`` at ``path`` (a mapping at the end merged into a mapping there)."""
+    if not path:
+        return {**node, **value} if isinstance(node, dict) and isinstance(value, dict) else value
+    node = dict(node) if isinstance(node, dict) else {}
+    node[path[0]] = _put(node.get(path[0]), path[1:], value)
+    return node
+
+
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
+    """``scripts/evaluate.py``: the checkpoint on the split it was validated on, with the data settings it trained
+    with (:func:`checkpoint_data`: the command line's where it gives them). Says which split of which root it
+    evaluates, and warns (one line) when those frames are also in the split the checkpoint trained on."""
     out_dir = Path(cfg.paths.output_dir)
     print(f"output directory: {out_dir.resolve()}")
-    open_root(cfg.data.root, cfg.data.get("layout", "kitti"))  # clear error when the root is missing
+    saved_data = (load_checkpoint(cfg.ckpt_path).get("hyper_parameters") or {}).get("config", {}).get("data") or {}
+    data_cfg, split, given = checkpoint_data(cfg, saved_data)
+    layout = data_cfg.get("layout", "kitti")
+    try:  # clear error when the root is missing, or of the other kind
+        root = open_root(data_cfg.root, layout)
+    except KittiFormatError:
+        if root_layout(data_cfg.root, layout) == "kitti" and root_layout(data_cfg.root) == "lidar":
+            source = "given" if "layout" in given else "the checkpoint's"
+            raise ConfigError(f"data.root={data_cfg.root} is a LiDAR-only root (points/, labels/), read as a "
+                              f"KITTI-format one (data.layout=kitti, {source}): add data=lidar") from None
+        raise
+    told = sorted({g.split(".")[0] for g in given} & {*CHECKPOINT_DATA, "split"})
+    print(f"evaluating split '{split}' of {data_cfg.root} (layout {root.layout}) with the data settings the "
+          "checkpoint trained with" + (f"; from the command line: {', '.join(told)}" if told else ""))
+    _warn_trained_frames(root, split, saved_data)
     # ``mask=<name>`` on the command line selects eval.yaml's optional mask group (None: the checkpoint's).
-    return evaluate_checkpoint(cfg.ckpt_path, cfg.data, out_dir, split=cfg.split, mask_override=cfg.get("mask"),
+    return evaluate_checkpoint(cfg.ckpt_path, data_cfg, out_dir, split=split, mask_override=cfg.get("mask"),
                                write_results=cfg.write_results, backend=cfg.get("backend", "eager"),
                                inference_path=cfg.get("inference_path"))
+
+
+def _warn_trained_frames(root: Any, split: str, saved_data: dict) -> None:
+    """One warning when the evaluated split of ``root`` shares frames with the split the checkpoint trained on
+    (the same root)."""
+    trained, train_split = saved_data.get("root"), saved_data.get("train_split")
+    if not trained or not train_split or Path(str(trained)).expanduser().resolve() != root.root.resolve():
+        return
+    try:
+        line = split_overlap((train_split, root.imageset(train_split)), (split, root.imageset(split)))
+    except KittiFormatError:
+        return
+    if line:
+        log.warning("%s: %s: the checkpoint trained on split '%s' of this root, so these scores include frames it "
+                    "learnt", root.root, line, train_split)

@@ -1,7 +1,10 @@
-"""``detector-evaluate ckpt_path=PATH [data.root=DIR]`` (or ``python scripts/evaluate.py ...``): evaluate a
-checkpoint on a KITTI-format root.
+"""``detector-evaluate ckpt_path=PATH [data.root=DIR] [split=NAME]`` (or ``python scripts/evaluate.py ...``):
+evaluate a checkpoint on a KITTI-format or LiDAR-only root.
 
-Prints the KITTI table, writes metrics.json and KITTI result files in the run's output directory.
+The data settings are the ones the checkpoint trained with (its root, layout, classes and their minimum IoUs, its val
+split), except where the command line sets them (:func:`detector.tasks.checkpoint_data`). Prints which split of which
+root it scores, the table, and a warning when those frames are also in the split the checkpoint trained on; writes
+metrics.json and the result files in the run's output directory.
 """
 
 from __future__ import annotations

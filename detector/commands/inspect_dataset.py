@@ -1,11 +1,14 @@
 """Validate every file of a KITTI-format or LiDAR-only root and print a summary.
 
     detector-inspect-dataset root=DIR [split_dir=training] [max_frames=0] [layout=auto] [classes=Car,...]
+                             [train_split=train] [val_split=val]
     (or: python scripts/inspect_dataset.py ...)
 
 layout   kitti, lidar or auto (a points/ folder: LiDAR-only); classes (LiDAR-only): the known class names, comma
          separated (default: data=lidar's, configs/data/lidar.yaml); objects of other names (and not of
          DontCare, Van, Tram, Misc, Person_sitting) are counted as unknown in the summary
+train_split, val_split: the splits training would learn from and validate on (data.train_split, data.val_split):
+         one warning when they list frames in common
 
 Exits with status 1, naming each bad file, when any file is invalid.
 """
@@ -19,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from detector.cli import parse_args
+from detector.data.dataset import split_overlap
 from detector.data.kitti import KittiRoot
 from detector.data.kitti_labels import DIFFICULTY_LEVELS, difficulty
 from detector.data.lidar import LidarRoot, UnknownClasses, open_root
@@ -141,13 +145,23 @@ def inspect_lidar(root: str, max_frames: int = 0, classes: str = LIDAR_CLASSES) 
     return "\n".join(lines), errors
 
 
+def _split_overlap(root, train_split: str, val_split: str) -> str | None:
+    """:func:`detector.data.dataset.split_overlap` of the two splits, None where either is missing or unreadable
+    (the summary's errors name it)."""
+    try:
+        return split_overlap((train_split, root.imageset(train_split)), (val_split, root.imageset(val_split)))
+    except KittiFormatError:
+        return None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv, {"root": None, "split_dir": "training", "max_frames": 0, "layout": "auto",
-                             "classes": LIDAR_CLASSES}, USAGE)
+                             "classes": LIDAR_CLASSES, "train_split": "train", "val_split": "val"}, USAGE)
     if args["root"] is None:
         raise SystemExit("error: root=DIR is required (see --help)")
     try:
-        if open_root(args["root"], args["layout"]).layout == "lidar":
+        root = open_root(args["root"], args["layout"])
+        if root.layout == "lidar":
             summary, errors = inspect_lidar(args["root"], args["max_frames"], args["classes"])
         else:
             summary, errors = inspect(args["root"], args["split_dir"], args["max_frames"])
@@ -155,6 +169,9 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(summary)
+    if overlap := _split_overlap(root, args["train_split"], args["val_split"]):
+        print(f"warning: {overlap}: a model trained on '{args['train_split']}' and validated on "
+              f"'{args['val_split']}' is scored on frames it trained on", file=sys.stderr)
     stale = stale_sample(args["root"])
     if stale:
         print(f"warning: {stale}", file=sys.stderr)

@@ -106,8 +106,6 @@ class _Run:
         anything of the frame is written."""
         from detector.data.kitti import check_image_matches_calib, read_png_size
         from detector.data.kitti_calib import Calibration
-        from detector.data.kitti_camera import in_camera_fov
-        from detector.data.kitti_labels import IMAGE_SIZE
         from detector.data.pointcloud import read_point_cloud, sanity_notes
         from detector.data.structures import Frame
         from detector.module import frame_records
@@ -128,8 +126,8 @@ class _Run:
             if self.image_for is not None:
                 image_size = read_png_size(self.image_for(frame_id))
                 check_image_matches_calib(image_size, calib, self.image_for(frame_id), calib_path)
-            if args["fov_only"]:  # as the dataset does for training and evaluation (data.fov_only)
-                points = points[in_camera_fov(points, calib, image_size or IMAGE_SIZE)]
+            if args["fov_only"]:  # as the dataset does for training and evaluation (the checkpoint's data.fov_only)
+                points = pred.camera_view(points, calib, image_size)
         frame = Frame(frame_id, points, calib, image_size=image_size)
         t_model = time.perf_counter()
         result = pred([frame])
