@@ -5,6 +5,7 @@ result file equal to evaluate's for the same frame, and ``scripts/predict.py`` e
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -257,7 +258,7 @@ def test_bad_input_to_the_command_is_one_line_naming_the_file(predicted_ckpt, tm
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and str(named) in lines[0], (argv, err)
         assert message in lines[0], (argv, err)
-        assert _files(out) == [], argv  # nothing written
+        assert not out.exists(), argv  # nothing written, not even an empty folder
 
 
 def test_a_folder_stops_at_the_first_bad_file_or_skips_and_counts(predicted_ckpt, tmp_path, capsys):
@@ -279,7 +280,7 @@ def test_a_folder_stops_at_the_first_bad_file_or_skips_and_counts(predicted_ckpt
                            "txt/c.txt"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["frames"] == 2 and summary["skipped"] == 1 and str(src / "b.bin") in summary["skipped_files"][0]
-    assert "2 frame(s), boxes:" in stdout and "1 bad file(s) skipped" in stdout
+    assert "2 frame(s), boxes scored >= 0.3:" in stdout and "1 bad file(s) skipped" in stdout
 
 
 # --- predict == evaluate ---------------------------------------------------------------------------------------
@@ -319,7 +320,9 @@ def test_predict_writes_the_kitti_result_file_evaluate_writes(car_root, scoring_
     lines = (out / "txt" / "000003.txt").read_text().splitlines()
     assert [ln.split()[7] for ln in lines] == ["Car"] * 20
     assert [float(v) for v in lines[0].split()[:7]] == pytest.approx([boxes[0][k] for k in "x y z l w h yaw".split()])
-    assert "1 frame(s), boxes: Car 20" in stdout and "ms per frame" in stdout
+    # an untrained head's scores lie under the default score_threshold (0.3): none counted, every one in the files
+    assert "1 frame(s), boxes scored >= 0.3: none; the files hold all 20 decoded (scores >= 0)" in stdout
+    assert "ms per frame" in stdout
 
 
 # --- the script end to end ---------------------------------------------------------------------------------------
@@ -341,7 +344,7 @@ def test_script_runs_on_a_folder_of_mixed_formats(car_root, predicted_ckpt, tmp_
     per_frame = [f"{d}/00000{i}.{e}" for d, e in (("bev", "png"), ("json", "json"), ("txt", "txt")) for i in range(3)]
     assert _files(out) == sorted(["summary.json", *per_frame])
     assert r.stderr.count("no intensity channel: 0 used") == 1 and f"{src / '000001.npy'}" in r.stderr
-    assert "3 frame(s), boxes:" in r.stdout and "ms per frame" in r.stdout
+    assert "3 frame(s), boxes scored >= 0.3:" in r.stdout and "ms per frame" in r.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["frames"] == 3 and summary["warnings"] == {"no_intensity": 1}
     assert json.loads((out / "json" / "000001.json").read_text())["intensity"] is False
@@ -389,3 +392,71 @@ def test_inference_path_override(predicted_ckpt, tmp_path, capsys):
                       "inference_path=fast")
     lines = err.strip().splitlines()
     assert rc == 1 and len(lines) == 1 and "model.inference_path" in lines[0] and _files(tmp_path / "bad") == []
+
+
+# --- score_threshold, the output folder, the 3D picture's console (issue 52) ----------------------------------------
+def test_score_threshold_counts_draws_and_filters_when_asked(car_root, scoring_ckpt, tmp_path, capsys):
+    """As the user meets it (scripts/predict.py, no XDG_RUNTIME_DIR): the summary says the threshold it counts at and
+    how many boxes the files hold (every decoded one by default); the picture draws only the boxes at or above it; a
+    rerun into the non-empty folder is refused in one line and changes nothing, overwrite=true writes over it; with
+    filter_files=true the files hold only the counted boxes; picture=3d prints none of the window system's lines."""
+    from detector.viz import class_color
+
+    cloud = car_root / "training" / "velodyne" / "000003.bin"
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+    cmd = [sys.executable, "scripts/predict.py", f"ckpt_path={scoring_ckpt}", f"input={cloud}", f"out={out}"]
+    r = subprocess.run([*cmd, "picture=both"], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "XDG_RUNTIME_DIR" not in r.stderr and "error" not in r.stderr.lower(), r.stderr
+    # an untrained head scores every box under 0.3: none counted, all 20 in the files, none drawn
+    assert "1 frame(s), boxes scored >= 0.3: none; the files hold all 20 decoded (scores >= 0)" in r.stdout
+    scores = [b["score"] for b in json.loads((out / "json" / "000003.json").read_text())["boxes"]]
+    assert len(scores) == 20 and len((out / "txt" / "000003.txt").read_text().splitlines()) == 20
+    assert not _colour_in_map(out / "bev" / "000003.png", class_color("Car"))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["score_threshold"] == 0.3 and summary["boxes"] == {} and summary["boxes_decoded"] == {"Car": 20}
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    # the same folder again: refused before anything runs, nothing changed
+    threshold = sorted(scores)[len(scores) // 2]  # the median score: about half the boxes at or above it
+    above = sum(s >= threshold for s in scores)
+    r = subprocess.run([*cmd, f"score_threshold={threshold}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1 and f"out={out}: the folder is not empty" in lines[0], r.stderr
+    assert "overwrite=true" in lines[0]
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+    # overwrite=true, filter_files=true (in this process: the same command): counted, drawn and written alike
+    rc, stdout, err = _run(capsys, *cmd[2:], f"score_threshold={threshold}", "overwrite=true", "filter_files=true")
+    assert rc == 0, err
+    assert f"boxes scored >= {threshold:g}: Car {above}; the files hold these only (filter_files=true)" in stdout
+    written = json.loads((out / "json" / "000003.json").read_text())["boxes"]
+    assert len(written) == above and min(b["score"] for b in written) >= threshold
+    assert len((out / "txt" / "000003.txt").read_text().splitlines()) == above
+    assert _colour_in_map(out / "bev" / "000003.png", class_color("Car"))
+
+
+def _colour_in_map(png: Path, color) -> bool:
+    """Whether ``color`` is drawn in the picture's map (above the legend, whose class swatches have it too)."""
+    import open3d as o3d
+
+    from detector.viz import LEGEND_BACKGROUND
+
+    img = np.asarray(o3d.io.read_image(str(png)))
+    legend = np.flatnonzero((img == np.asarray(LEGEND_BACKGROUND, np.uint8)).all(-1).all(-1))  # its blank rows
+    top = legend.min() if len(legend) else len(img)
+    return bool((img[:top] == np.asarray(color, np.uint8)).all(-1).any())
+
+
+def test_a_failed_run_leaves_no_folder(tmp_path):
+    """scripts/predict.py with a checkpoint that is not there: one line, exit 1, and out= (with the parents it would
+    have made) not created."""
+    cloud = tmp_path / "000001.bin"
+    write_point_cloud(cloud, _scan())
+    out = tmp_path / "new" / "out"
+    r = subprocess.run([sys.executable, "scripts/predict.py", f"ckpt_path={tmp_path / 'none.ckpt'}", f"input={cloud}",
+                        f"out={out}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1 and "checkpoint not found" in lines[0], r.stderr
+    assert not (tmp_path / "new").exists()

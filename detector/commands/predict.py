@@ -3,20 +3,27 @@
     detector-predict ckpt_path=PATH input=FILE|DIR [out=DIR] [format=auto|bin|npy|pcd|ply]
                      [calib=FILE|DIR] [image=FILE|DIR] [mask=predicted|ground|none] [skip_bad=false]
                      [drop_nonfinite=false] [intensity_scale=1.0] [fov_only=true] [picture=bev|3d|both|none]
-                     [draw_threshold=0.3] [device=auto|cpu|cuda] [inference_path=auto|exact|capacity]
+                     [score_threshold=0.3] [filter_files=false] [overwrite=false] [device=auto|cpu|cuda]
+                     [inference_path=auto|exact|capacity]
     (or: python scripts/predict.py ...)
 
 input: a point cloud (KITTI .bin float32 x, y, z, reflectance; .npy [N, 3] or [N, 4]; .pcd or .ply) or a folder of
 them (format= picks one kind; auto: every known extension). Each cloud goes through the checkpoint's BEV grid,
 computation mask and decoding, as evaluation runs it. Per frame (its id: the file name without extension), in out
-(default outputs/predict/<date_time>):
+(default outputs/predict/<date_time>; a folder that holds anything is refused unless overwrite=true, which writes
+this run's files over those of the same names):
     json/<id>.json     the boxes in the LiDAR frame: x, y, z (centre), l, w, h, yaw, class, score; and what was read
     txt/<id>.txt       the same, one box a line: x y z dx dy dz heading class score (OpenPCDet's custom format + score)
     kitti/<id>.txt     KITTI result files (camera frame, 2D box from the calibration's P2), with calib= only
-    bev/<id>.png       the bird's-eye view: points, computation mask, boxes scored >= draw_threshold
+    bev/<id>.png       the bird's-eye view: points, computation mask, the boxes scored >= score_threshold in their
+                       class colours with their scores, range rings, a metre scale and a legend
     3d/<id>.png        (picture=3d|both) an offscreen open3d view, where this machine can render one
 and summary.json (frames, boxes per class, ms per frame, skipped files, warnings). Every file is written whole
-once its frame succeeded.
+once its frame succeeded; a run that fails leaves no empty folder behind.
+
+score_threshold: what the summary counts and the pictures draw: the boxes scored at least this. The files hold every
+box the checkpoint decodes (down to its own model.score_threshold, as evaluation scores them: AP needs the low
+scores) unless filter_files=true, which keeps only the boxes scored >= score_threshold in them too.
 
 calib: a KITTI calibration file for every frame, or a folder of <id>.txt. With it the points are cut to the
 camera's view (fov_only, as training and evaluation do) and the KITTI files are written: for a KITTI frame they
@@ -58,7 +65,7 @@ USAGE = __doc__
 DEFAULTS: dict[str, Any] = {
     "ckpt_path": None, "input": None, "out": None, "format": "auto", "calib": None, "image": None, "mask": None,
     "skip_bad": False, "drop_nonfinite": False, "intensity_scale": 1.0, "fov_only": True, "picture": "bev",
-    "draw_threshold": 0.3, "device": "auto", "inference_path": None,
+    "score_threshold": 0.3, "filter_files": False, "overwrite": False, "device": "auto", "inference_path": None,
 }
 PICTURES = ("bev", "3d", "both", "none")
 
@@ -87,15 +94,52 @@ def _inputs(args: dict[str, Any]) -> list[Path]:
     return [src]
 
 
+def _select(dets, keep):
+    """The detections where ``keep`` (a bool tensor) holds."""
+    from detector.data.structures import Detections
+
+    return Detections(dets.boxes[keep], dets.scores[keep], dets.labels[keep])
+
+
+class _Output:
+    """The run's output folder: refused when it holds anything (unless ``overwrite``), its sub-folders made when their
+    first file is written, and on a failure every folder this run made and left empty removed again."""
+
+    def __init__(self, root: Path, overwrite: bool):
+        self.root = root
+        if root.is_dir() and any(root.iterdir()) and not overwrite:
+            raise ConfigError(f"out={root}: the folder is not empty: one folder per run; choose a new folder (or give "
+                              "overwrite=true to write this run's files over those of the same names)")
+        self.made = [p for p in (root, *root.parents) if not p.exists()][::-1]  # outermost first
+        writable_dir(root, "out")  # a path that cannot be written costs one line now, not after the first frame
+
+    def file(self, sub: str, name: str) -> Path:
+        """``root/sub/name``, its folder made (and remembered) where missing."""
+        folder = self.root / sub
+        if not folder.is_dir():
+            folder.mkdir()
+            self.made.append(folder)
+        return folder / name
+
+    def remove_empty(self) -> None:
+        """Remove the folders this run made that hold nothing, innermost first."""
+        for folder in reversed(self.made):
+            try:
+                folder.rmdir()
+            except OSError:  # not empty (or gone): keep it
+                pass
+
+
 class _Run:
     """One predict run: the predictor, where outputs go, and what has been counted so far."""
 
-    def __init__(self, args: dict[str, Any], predictor, out: Path, total: int):
+    def __init__(self, args: dict[str, Any], predictor, out: _Output, total: int):
         self.args, self.predictor, self.out, self.total = args, predictor, out, total
+        self.threshold = float(args["score_threshold"])
         self.calib_for = _per_frame(args["calib"], "calibration", ".txt")
         self.image_for = _per_frame(args["image"], "image", ".png")
         self.pictures = {"bev", "3d"} if args["picture"] == "both" else {args["picture"]} - {"none"}
-        self.frames, self.boxes = 0, Counter()
+        self.frames, self.boxes, self.decoded = 0, Counter(), Counter()  # boxes: scored >= threshold; decoded: all
         self.model_ms: list[float] = []
         self.frame_ms: list[float] = []
         self.notes: Counter = Counter()
@@ -133,9 +177,11 @@ class _Run:
         result = pred([frame])
         model_ms = 1000 * (time.perf_counter() - t_model)
         dets = result.dets[0]
-        boxes = box_dicts(dets, pred.classes)
-        kitti = frame_records(result.batch, result.dets, pred.classes, pred.grid)[0].dt if calib is not None else None
-        images = self._pictures(points, dets, result.out.mask)
+        shown = dets.scores >= self.threshold
+        written = _select(dets, shown) if args["filter_files"] else dets
+        boxes = box_dicts(written, pred.classes)
+        kitti = frame_records(result.batch, [written], pred.classes, pred.grid)[0].dt if calib is not None else None
+        images = self._pictures(frame_id, points, dets, result.out.mask)
         for kind, line in notes:
             if not self.notes[kind]:
                 say(f"warning: {path}: {line}" + (" (later frames: counted in the summary)" if self.many else ""))
@@ -145,16 +191,18 @@ class _Run:
                   "nonfinite_dropped": cloud.dropped, "warnings": [line for _, line in notes],
                   "checkpoint": str(args["ckpt_path"]), "boxes": boxes}
         # everything of the frame is computed: now its files, each whole
-        write_text_atomic(self.out / "json" / f"{frame_id}.json", json.dumps(record, indent=1) + "\n")
-        write_text_atomic(self.out / "txt" / f"{frame_id}.txt", "".join(s + "\n" for s in openpcdet_lines(boxes)))
+        write_text_atomic(self.out.file("json", f"{frame_id}.json"), json.dumps(record, indent=1) + "\n")
+        write_text_atomic(self.out.file("txt", f"{frame_id}.txt"), "".join(s + "\n" for s in openpcdet_lines(boxes)))
         if kitti is not None:
             from detector.data.kitti_labels import write_label
 
-            with atomic_path(self.out / "kitti" / f"{frame_id}.txt") as tmp:
+            with atomic_path(self.out.file("kitti", f"{frame_id}.txt")) as tmp:
                 write_label(tmp, kitti)
-        self._write_pictures(frame_id, images, points, dets, say)
+        self._write_pictures(frame_id, images, points, _select(dets, shown), say)
         self.frames += 1
-        self.boxes.update(b["class"] for b in boxes)
+        names = np.asarray(pred.classes)[dets.labels.numpy()] if len(dets) else np.zeros(0, str)
+        self.boxes.update(names[shown.numpy()].tolist())
+        self.decoded.update(names.tolist())
         self.model_ms.append(model_ms)
         self.frame_ms.append(1000 * (time.perf_counter() - t0))
 
@@ -162,37 +210,39 @@ class _Run:
     def many(self) -> bool:
         return self.total > 1
 
-    def _pictures(self, points: np.ndarray, dets, mask) -> dict[str, np.ndarray]:
-        """The bird's-eye view to write (``bev``), computed before any file of the frame is written."""
+    def _pictures(self, frame_id: str, points: np.ndarray, dets, mask) -> dict[str, np.ndarray]:
+        """The bird's-eye view to write (``bev``), computed before any file of the frame is written: the boxes scored
+        at least score_threshold, in their class colours, with their scores."""
         if "bev" not in self.pictures:
             return {}
         from detector.viz import bev_image
 
+        names = np.asarray(self.predictor.classes)[dets.labels.numpy()] if len(dets) else []
         return {"bev": bev_image(points, self.predictor.grid, det_boxes=dets.boxes, det_scores=dets.scores,
-                                 mask=None if mask is None else mask[0, 0],
-                                 score_threshold=self.args["draw_threshold"])}
+                                 det_names=names, mask=None if mask is None else mask[0, 0],
+                                 score_threshold=self.threshold, title=frame_id)}
 
-    def _write_pictures(self, frame_id: str, images: dict[str, np.ndarray], points: np.ndarray, dets,
+    def _write_pictures(self, frame_id: str, images: dict[str, np.ndarray], points: np.ndarray, drawn,
                         say: Callable[[str], None]) -> None:
-        from detector.viz import write_png
+        """The pictures' files; ``drawn``: the detections the 3D view shows (those scored >= score_threshold)."""
+        from detector.viz import private_runtime_dir, write_png
 
         for name, img in images.items():
-            with atomic_path(self.out / name / f"{frame_id}.png") as tmp:
+            with atomic_path(self.out.file(name, f"{frame_id}.png")) as tmp:
                 write_png(tmp, img)
         if "3d" in self.pictures:
             from detector.commands.visualize import render_3d
 
-            target = self.out / "3d" / f"{frame_id}.png"
-            tmp = target.with_name(f".{frame_id}.tmp{os.getpid()}.png")
-            drawn = dets.boxes[dets.scores >= self.args["draw_threshold"]]
+            tmp = self.out.root / f".{frame_id}.3d.tmp{os.getpid()}.png"  # 3d/ is made once a view is rendered
             import open3d as o3d
 
             level = o3d.utility.get_verbosity_level()
             o3d.utility.set_verbosity_level(o3d.utility.VerbosityLevel.Error)  # its window-system probing notes
             try:
-                rendered = render_3d(points, [(drawn, (1.0, 0.25, 0.25))], tmp)
+                with private_runtime_dir():  # no window-system complaint that reads as ours
+                    rendered = render_3d(points, self._by_class(drawn), tmp)
                 if rendered:
-                    os.replace(tmp, target)
+                    os.replace(tmp, self.out.file("3d", f"{frame_id}.png"))
             finally:
                 o3d.utility.set_verbosity_level(level)
                 tmp.unlink(missing_ok=True)
@@ -201,15 +251,25 @@ class _Run:
                     "(picture=bev draws the bird's-eye view)")
                 self.pictures.discard("3d")
 
+    def _by_class(self, dets) -> list[tuple[Any, tuple[float, float, float]]]:
+        """The detections' boxes per class with the class's colour (0-1), as :func:`render_3d` takes them."""
+        from detector.viz import class_color
+
+        return [(dets.boxes[dets.labels == k], tuple(v / 255 for v in class_color(name)))
+                for k, name in enumerate(self.predictor.classes) if bool((dets.labels == k).any())]
+
     def summary(self) -> dict[str, Any]:
         return {
             "frames": self.frames, "skipped": len(self.skipped), "skipped_files": self.skipped,
-            "boxes": dict(sorted(self.boxes.items())),
+            "score_threshold": self.threshold, "boxes": dict(sorted(self.boxes.items())),
+            "boxes_decoded": dict(sorted(self.decoded.items())),
+            "decode_score_threshold": self.predictor.decode.get("score_threshold"),
+            "filter_files": bool(self.args["filter_files"]),
             "model_ms_per_frame_median": float(np.median(self.model_ms)) if self.model_ms else None,
             "model_ms_first_frame": self.model_ms[0] if self.model_ms else None,
             "ms_per_frame_median": float(np.median(self.frame_ms)) if self.frame_ms else None,
             "warnings": dict(self.notes), "checkpoint": str(self.args["ckpt_path"]),
-            "device": str(self.predictor.device), "output": str(self.out),
+            "device": str(self.predictor.device), "output": str(self.out.root),
         }
 
 
@@ -226,15 +286,21 @@ def predict(args: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError("image= gives the camera's image size for the KITTI files: give calib= too")
     if not (args["intensity_scale"] > 0 and np.isfinite(args["intensity_scale"])):
         raise ConfigError(f"intensity_scale={args['intensity_scale']}: must be a positive number")
+    if not 0 <= args["score_threshold"] <= 1:
+        raise ConfigError(f"score_threshold={args['score_threshold']}: must lie in [0, 1] (scores do)")
     files = _inputs(args)
     _per_frame(args["calib"], "calibration", ".txt")  # a missing calibration fails before the checkpoint loads
     _per_frame(args["image"], "image", ".png")
-    out = Path(args["out"] or Path("outputs") / "predict" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
-    subs = ["json", "txt", *(["kitti"] if args["calib"] else []),
-            *({"bev": ["bev"], "3d": ["3d"], "both": ["bev", "3d"], "none": []}[args["picture"]])]
-    for sub in subs:  # a path that cannot be written costs one line now, not a traceback after the first frame
-        writable_dir(out / sub, "out")
+    out = _Output(Path(args["out"] or Path("outputs") / "predict" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")),
+                  args["overwrite"])
+    try:
+        return _predict(args, files, out)
+    except BaseException:
+        out.remove_empty()
+        raise
 
+
+def _predict(args: dict[str, Any], files: list[Path], out: _Output) -> dict[str, Any]:
     import torch
     from tqdm import tqdm
 
@@ -252,7 +318,7 @@ def predict(args: dict[str, Any]) -> dict[str, Any]:
     g = predictor.grid
     print(f"predicting {len(files)} point cloud(s) with {args['ckpt_path']} on {predictor.device}: grid x "
           f"[{g.x_range[0]:g}, {g.x_range[1]:g}) y [{g.y_range[0]:g}, {g.y_range[1]:g}) z [{g.z_range[0]:g}, "
-          f"{g.z_range[1]:g}) m, classes {', '.join(predictor.classes)}; output {out}")
+          f"{g.z_range[1]:g}) m, classes {', '.join(predictor.classes)}; output {out.root}")
     run = _Run(args, predictor, out, len(files))
     bar = tqdm(files, unit="frame", file=sys.stderr, disable=len(files) == 1, dynamic_ncols=True)
 
@@ -270,15 +336,21 @@ def predict(args: dict[str, Any]) -> dict[str, Any]:
             say(f"skipped: {e}")
     bar.close()
     summary = run.summary()
-    write_text_atomic(out / "summary.json", json.dumps(summary, indent=1) + "\n")
+    write_text_atomic(out.root / "summary.json", json.dumps(summary, indent=1) + "\n")
     _print_summary(summary)
     return summary
 
 
 def _print_summary(s: dict[str, Any]) -> None:
-    boxes = ", ".join(f"{c} {n}" for c, n in s["boxes"].items()) or "none"
-    print(f"{s['frames']} frame(s), boxes: {boxes}"
-          + (f"; {s['skipped']} bad file(s) skipped" if s["skipped"] else ""))
+    def counts(by_class: dict[str, int]) -> str:
+        return ", ".join(f"{c} {n}" for c, n in by_class.items()) or "none"
+
+    decoded = sum(s["boxes_decoded"].values())
+    floor = s["decode_score_threshold"]
+    kept = "these only (filter_files=true)" if s["filter_files"] else \
+        f"all {decoded} decoded" + (f" (scores >= {floor:g})" if floor is not None else "")
+    print(f"{s['frames']} frame(s), boxes scored >= {s['score_threshold']:g}: {counts(s['boxes'])}; the files hold "
+          f"{kept}" + (f"; {s['skipped']} bad file(s) skipped" if s["skipped"] else ""))
     if s["frames"]:
         print(f"model {s['model_ms_per_frame_median']:.1f} ms per frame (median; voxelize, mask, network, decode; "
               f"the first frame {s['model_ms_first_frame']:.1f} ms), {s['ms_per_frame_median']:.1f} ms with reading "
