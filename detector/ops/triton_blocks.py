@@ -20,16 +20,21 @@ Its epilogue: ``+ bias`` (the folded batch norm's shift; the scale is folded int
 
 Accumulation in float32 (float64 for float64 data). Under ``TRITON_INTERPRET=1`` the same kernel runs on CPU
 tensors (the tests); the interpreter's half-precision dot is upcast to float32 first. The kernel is decorated
-on first use, so the interpreter setting read then is the one that counts.
+on first use, so the interpreter setting read then is the one that counts. Every launch goes through
+:func:`_launch`; inside :func:`recording` each is recorded as a GPU would compile it (what
+``tests/ops/test_triton_aot.py`` compiles ahead of time for sm_80 and sm_90).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["available", "block_conv", "block_conv_dgrad", "block_conv_wgrad"]
+__all__ = ["Launch", "Pointer", "available", "block_conv", "block_conv_dgrad", "block_conv_wgrad", "recording"]
 
 _KERNELS: dict[tuple[str, bool], object] = {}
 
@@ -45,6 +50,57 @@ def available() -> bool:
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """A tensor argument as the compiler sees it: its element type and its address modulo 16 (0: the 16-byte
+    alignment the compiler specializes on)."""
+
+    dtype: torch.dtype
+    address: int
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One recorded launch: the kernel's Python function, its positional arguments (tensors as :class:`Pointer`)
+    and its keyword arguments (the constexprs, as a GPU compiles them, and any launch options)."""
+
+    fn: Callable
+    args: tuple
+    kwargs: dict
+
+
+_RECORDS: list[Launch] | None = None
+_RUN = True
+
+
+@contextlib.contextmanager
+def recording(run: bool = True) -> Iterator[list[Launch]]:
+    """The launches made inside, in order, as :class:`Launch` records. ``run=False``: recorded and not run (their
+    outputs keep whatever their memory held): what a configuration launches, without the cost of running it."""
+    global _RECORDS, _RUN
+    outer, _RECORDS, outer_run, _RUN = _RECORDS, [], _RUN, run
+    try:
+        yield _RECORDS
+    finally:
+        _RECORDS, _RUN = outer, outer_run
+
+
+def _launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:  # noqa: ANN001
+    """``kernel[grid](*args, **kwargs)`` with ``kwargs`` as a GPU compiles them; the interpreter also upcasts
+    the dot's operands (``UPCAST``: it has no half-precision dot). Recorded inside :func:`recording`."""
+    if _RECORDS is not None:
+        _RECORDS.append(Launch(kernel.fn, tuple(Pointer(a.dtype, a.data_ptr() % 16) if isinstance(a, torch.Tensor)
+                                                else a for a in args), dict(kwargs)))
+    if not _RUN:
+        return
+    if _interpreting():
+        kwargs["UPCAST"] = True
+    kernel[grid](*args, **kwargs)
 
 
 def _kernel():
@@ -191,14 +247,14 @@ def block_conv(src: torch.Tensor, indices: torch.Tensor, count: torch.Tensor, we
     m_tiles = -(-m // bm)
     prec = "tf32" if torch.backends.cudnn.allow_tf32 else "ieee"
     grid = (cap * m_tiles, -(-co // bn))
-    _kernel()[grid](
-        src, *src.stride(), indices, count, w, b, ps, pt,
+    _launch(
+        _kernel(), grid, src, *src.stride(), indices, count, w, b, ps, pt,
         res, *res.stride(), out, *out.stride(),
         ci, co, int(src.shape[2]), int(src.shape[3]), oh, ow,
         mh, fh, mw, fw, zmh, zfh, zmw, zfw, zh, zw,
         KH=kh, KW=kw, STRIDE=stride, IN_MAP=in_map, PRE=pre is not None, OUT_MAP=out_map,
         RES=0 if residual is None else (1 if residual_map else 2), RELU=relu, ZERO=zero is not None and not out_map,
-        HAS_BIAS=bias is not None, UPCAST=_interpreting() or f64, F64=f64, PREC=prec,
+        HAS_BIAS=bias is not None, UPCAST=f64, F64=f64, PREC=prec,
         BM=bm, BN=bn, BK=bk, M_TILES=m_tiles,
     )
     return out
@@ -312,7 +368,7 @@ def _grad_kernels():
 
 def _precision(dtype: torch.dtype) -> tuple[bool, bool, str]:
     f64 = dtype == torch.float64
-    return _interpreting() or f64, f64, "tf32" if torch.backends.cudnn.allow_tf32 else "ieee"
+    return f64, f64, "tf32" if torch.backends.cudnn.allow_tf32 else "ieee"
 
 
 def block_conv_dgrad(grad: torch.Tensor, count: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
@@ -331,7 +387,8 @@ def block_conv_dgrad(grad: torch.Tensor, count: torch.Tensor, weight: torch.Tens
     m = ph * pw
     bm, bn, bk = _pow2(m, 16, 64), _pow2(ci, 16, 64), _pow2(co, 16, 32)
     m_tiles = -(-m // bm)
-    _grad_kernels()[0][(cap * m_tiles, -(-ci // bn))](
+    _launch(
+        _grad_kernels()[0], (cap * m_tiles, -(-ci // bn)),
         grad, *grad.stride(), count, w, out, *out.stride(), ci, co, oh, ow, ph, pw,
         KH=kh, KW=kw, STRIDE=stride, UPCAST=upcast, F64=f64, PREC=prec, BM=bm, BN=bn, BK=bk, M_TILES=m_tiles,
     )
@@ -358,7 +415,8 @@ def block_conv_wgrad(src: torch.Tensor, indices: torch.Tensor, count: torch.Tens
         bi, bn, bm = _pow2(ci, 16, 32), _pow2(co, 16, 64), _pow2(oh * ow, 16, 64)
         ci_tiles = -(-ci // bi)
         (mh, mw), (fh, fw) = origin
-        _grad_kernels()[1][(kh * kw * ci_tiles, -(-co // bn), splits)](
+        _launch(
+            _grad_kernels()[1], (kh * kw * ci_tiles, -(-co // bn), splits),
             src, *src.stride(), indices, count, grad, *grad.stride(), part,
             ci, co, int(src.shape[2]), int(src.shape[3]), oh, ow, per, mh, fh, mw, fw,
             KH=kh, KW=kw, STRIDE=stride, IN_MAP=in_map, UPCAST=upcast, F64=f64, PREC=prec, BM=bm, BN=bn, BI=bi,

@@ -137,3 +137,84 @@ def test_captured_training_step_equals_eager():
         for (name, a), b in zip(graphed.named_buffers(), eager.buffers(), strict=True):
             torch.testing.assert_close(a, b, **tol, msg=name)
     assert len(graphed.train_graphs) == 1
+
+
+def _counting_capturer(captured: list):  # noqa: ANN202
+    def capturer(fn, *inputs):  # noqa: ANN001, ANN202
+        captured.append(inputs)
+        n = len(captured)  # the capture's number, which its replays return
+        return lambda *a: ("graph", n, fn(*a))
+
+    return capturer
+
+
+def test_cache_drops_the_least_recently_used_graph():
+    """max_graphs: a capture beyond it drops the graph used longest ago (a replay counts as a use, a first use below
+    ``after`` does not); a dropped key is counted from zero again and captured anew at its ``after``-th use."""
+    from detector.nn.graphs import GraphCache
+
+    captured: list = []
+    cache = GraphCache(max_graphs=2, capturer=_counting_capturer(captured), after=2)
+    fn = lambda a: a  # noqa: E731
+    one = torch.ones(1)
+    for key in ("a", "a", "b", "b"):
+        cache.get(key, fn, one)
+    assert list(cache.graphs) == ["a", "b"] and len(captured) == 2
+    assert cache.get("a", fn, one)(one)[1] == 1  # replayed: "a" is now the most recent
+    assert cache.get("c", fn, one) is fn and len(cache) == 2  # a first use captures nothing, drops nothing
+    assert cache.get("c", fn, one)(one)[1] == 3
+    assert list(cache.graphs) == ["a", "c"]  # "b", the least recently used, dropped
+    assert cache.get("b", fn, one) is fn  # counted from zero: its earlier uses were forgotten with its graph
+    assert cache.get("b", fn, one)(one)[1] == 4 and list(cache.graphs) == ["c", "b"]
+    assert cache.uses == {}  # a captured key's count is not kept
+
+
+def test_cache_copies_start_empty_with_the_same_settings():
+    """A deep copy or an unpickled copy of a cache (of a model that holds one) has no graphs and no counts (they
+    belong to the tensors they were captured on) but the original's size, capturer and threshold."""
+    import copy
+    import pickle
+
+    from detector.nn.capture import capture_training
+    from detector.nn.graphs import GraphCache
+
+    cache = GraphCache(max_graphs=3, capturer=capture_training, after=2)
+    cache.get("a", lambda a: a, torch.ones(1))
+    assert cache.uses == {"a": 1}
+    for twin in (copy.deepcopy(cache), pickle.loads(pickle.dumps(cache))):
+        assert len(twin) == 0 and twin.uses == {}
+        assert (twin.max_graphs, twin.capturer, twin.after) == (3, capture_training, 2)
+
+
+def test_detector_keeps_one_graph_per_shape_plan_and_buckets():
+    """The detector's inference graphs on the capacity path (on the CPU the calls themselves, kept by the same keys;
+    captured on CUDA): a batch of the same shape, plan and buckets reuses its entry; another batch size, another
+    tile or a mask that needs bigger lists adds one; training keeps none there, and ``.to()`` empties both
+    caches."""
+    from tests.models.test_capacity_path import _mask, _model
+    from tests.models.test_detector import _batch
+
+    model = _model(8, 16, path="capacity")
+    batch = _batch(2)
+    batch.mask = _mask("patch")
+    with torch.no_grad():
+        model(batch)
+        model(batch)
+        assert len(model.graphs) == 1
+        one = _batch(1)
+        one.mask = _mask("patch", 1)
+        model(one)  # another shape
+        assert len(model.graphs) == 2
+        model.head_block_size = 8  # another plan
+        model(batch)
+        assert len(model.graphs) == 3
+        batch.mask = _mask("all")  # the same shape and plan, bigger buckets
+        model(batch)
+        assert len(model.graphs) == 4
+        model(batch)
+        assert len(model.graphs) == 4
+    model.train()
+    model.capture_train = True
+    model.train_graphs.get(("k",), lambda a: a, torch.zeros(1))  # (what a CUDA step would hold)
+    model.to(torch.float64)
+    assert len(model.graphs) == 0 and len(model.train_graphs) == 0 and model.train_graphs.uses == {}
