@@ -225,7 +225,7 @@ class _Run:
     def _write_pictures(self, frame_id: str, images: dict[str, np.ndarray], points: np.ndarray, drawn,
                         say: Callable[[str], None]) -> None:
         """The pictures' files; ``drawn``: the detections the 3D view shows (those scored >= score_threshold)."""
-        from detector.viz import private_runtime_dir, write_png
+        from detector.viz import write_png
 
         for name, img in images.items():
             with atomic_path(self.out.file(name, f"{frame_id}.png")) as tmp:
@@ -239,8 +239,7 @@ class _Run:
             level = o3d.utility.get_verbosity_level()
             o3d.utility.set_verbosity_level(o3d.utility.VerbosityLevel.Error)  # its window-system probing notes
             try:
-                with private_runtime_dir():  # no window-system complaint that reads as ours
-                    rendered = render_3d(points, self._by_class(drawn), tmp)
+                rendered = render_3d(points, self._by_class(drawn), tmp)
                 if rendered:
                     os.replace(tmp, self.out.file("3d", f"{frame_id}.png"))
             finally:

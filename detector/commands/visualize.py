@@ -50,9 +50,12 @@ def render_3d(points: np.ndarray, boxes: list[tuple[Boxes3D, tuple[float, float,
             ls = o3d.geometry.LineSet(o3d.utility.Vector3dVector(corners), o3d.utility.Vector2iVector(BOX_EDGES))
             ls.paint_uniform_color(color)
             geoms.append(ls)
+    from detector.viz import private_runtime_dir
+
     vis = o3d.visualization.Visualizer()
-    if not vis.create_window(visible=False, width=size[0], height=size[1]):
-        return False
+    with private_runtime_dir():  # the window system's probe prints no XDG_RUNTIME_DIR complaint that reads as ours
+        if not vis.create_window(visible=False, width=size[0], height=size[1]):
+            return False
     try:
         for g in geoms:
             vis.add_geometry(g)
