@@ -400,8 +400,6 @@ def test_score_threshold_counts_draws_and_filters_when_asked(car_root, scoring_c
     how many boxes the files hold (every decoded one by default); the picture draws only the boxes at or above it; a
     rerun into the non-empty folder is refused in one line and changes nothing, overwrite=true writes over it; with
     filter_files=true the files hold only the counted boxes; picture=3d prints none of the window system's lines."""
-    from detector.viz import class_color
-
     cloud = car_root / "training" / "velodyne" / "000003.bin"
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
@@ -413,6 +411,8 @@ def test_score_threshold_counts_draws_and_filters_when_asked(car_root, scoring_c
     assert "1 frame(s), boxes scored >= 0.3: none; the files hold all 20 decoded (scores >= 0)" in r.stdout
     scores = [b["score"] for b in json.loads((out / "json" / "000003.json").read_text())["boxes"]]
     assert len(scores) == 20 and len((out / "txt" / "000003.txt").read_text().splitlines()) == 20
+    from detector.viz import class_color
+
     assert not _colour_in_map(out / "bev" / "000003.png", class_color("Car"))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["score_threshold"] == 0.3 and summary["boxes"] == {} and summary["boxes_decoded"] == {"Car": 20}

@@ -7,7 +7,6 @@ import numpy as np
 
 from detector.data.kitti_labels import KittiLabels
 from detector.eval.kitti_metric import evaluate
-from detector.module import log_pr_curves
 
 
 def _events(folder):
@@ -31,6 +30,8 @@ def test_pr_curve_is_the_metrics_matching(tmp_path):
     metric's thresholds are the true positives' scores; at 0.9: precision 1, recall 1/4; at 0.8: 1, 2/4; at 0.6:
     3/4 (the false positive counts), 3/4. TensorBoard gets them lowest threshold first."""
     from torch.utils.tensorboard import SummaryWriter
+
+    from detector.module import log_pr_curves
 
     gt = _cars([-6, -2, 2, 6], [10, 15, 20, 25])
     dt = _cars([-6, -2, 2, 0], [10, 15, 20, 40], score=[0.9, 0.8, 0.6, 0.7])
