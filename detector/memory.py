@@ -32,7 +32,6 @@ import torch
 from detector.models.detector import BevDetector, masks_at_strides
 from detector.nn.chain import SparseConvChain
 from detector.nn.resnet import downsample_mask
-from detector.ops import reduce_mask
 
 __all__ = ["MemoryEstimate", "estimate", "stage_shares", "largest_fitting", "measure_peak", "tensor_bytes", "MB"]
 
@@ -78,10 +77,11 @@ class _Chain:
 
 
 def _count(chain: SparseConvChain, hw: tuple[int, int], mask: torch.Tensor | None) -> int | None:
-    """Active blocks of ``mask`` on the chain's grid (reduce_mask on the mask only; None without a mask)."""
+    """Active blocks of ``mask`` (at the chain's input resolution ``hw``) on the chain's grid, as the chain selects
+    them (None without a mask)."""
     if mask is None:
         return None
-    return int(reduce_mask(mask, chain.geometry(*hw).block, tol=chain.tol, avgpool=chain.avgpool).shape[0])
+    return chain.active_blocks(mask).count
 
 
 def _chains(model: BevDetector, shares: Sequence[float], dense: bool, mask: torch.Tensor | None = None

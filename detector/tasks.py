@@ -31,6 +31,7 @@ from detector.geometry.voxelize import BevGrid
 from detector.models.detector import BevDetector
 from detector.models.targets import anchor_overrides, missing_anchors
 from detector.module import SCOPE, DetectorModule, frame_records, score_records, write_records
+from detector.nn.plan import check_setting
 from detector.outputs import writable_dir
 from detector.resources import config_dir
 
@@ -421,13 +422,16 @@ def _trained_net(net_cfg: DictConfig, saved_net: dict, ckpt_path: str | Path) ->
 
 
 def load_detector(ckpt_path: str | Path, mask_override: str | DictConfig | None = None,
-                  inference_path: str | None = None) -> tuple[BevDetector, DictConfig]:
+                  inference_path: str | None = None, block_size: int | str | None = None
+                  ) -> tuple[BevDetector, DictConfig]:
     """Rebuild the detector from a checkpoint's saved config and load its weights (weights_only).
 
     ``mask_override``: a mask config (``eval.yaml``'s ``mask=...`` group) or its name; None keeps the
     checkpoint's. A mask net the checkpoint did not train (e.g. ``mask=predicted`` on a ``road_map``
     checkpoint) is an error; a mask net it trained but the override does not use is dropped.
-    ``inference_path``: ``model.inference_path`` in place of the checkpoint's (the weights run either way)."""
+    ``inference_path`` and ``block_size`` (the backbone's, neck's and head's: a tile, ``dense`` or ``auto``): how the
+    sparse network runs, in place of the checkpoint's - the detections are the same every way, only the time
+    differs (the mask defines the function, :mod:`detector.nn.chain`)."""
     ckpt = load_checkpoint(ckpt_path)
     saved = ckpt.get("hyper_parameters", {}).get("config")
     if not saved:
@@ -435,6 +439,9 @@ def load_detector(ckpt_path: str | Path, mask_override: str | DictConfig | None 
     cfg = OmegaConf.create(current_layout(saved))
     if inference_path is not None:
         cfg.model.inference_path = inference_path
+    if block_size is not None:
+        block_size = check_setting(int(block_size) if str(block_size).isdigit() else block_size, "block_size")
+        cfg.model.block_size = cfg.model.head_block_size = cfg.model.backbone.block_size = block_size
     if isinstance(mask_override, DictConfig):
         cfg.mask = mask_override
     elif mask_override is not None:
@@ -460,21 +467,22 @@ def load_detector(ckpt_path: str | Path, mask_override: str | DictConfig | None 
 @torch.no_grad()
 def evaluate_checkpoint(ckpt_path: str | Path, data_cfg: DictConfig, out_dir: str | Path, split: str,
                         mask_override: str | DictConfig | None = None, write_results: bool = True,
-                        device: str | None = None, backend: str = "eager", inference_path: str | None = None
-                        ) -> dict[str, Any]:
+                        device: str | None = None, backend: str = "eager", inference_path: str | None = None,
+                        block_size: int | str | None = None) -> dict[str, Any]:
     """Run a checkpoint over ``split`` of ``data_cfg.root`` with the checkpoint's decode settings (those
     validation used) through :class:`detector.predict.Predictor` (the code path predict and visualize run); print
     the table (KITTI's, or the LiDAR-only one) and, where the mask was empty or every AP is 0, one line saying what
     to check; write metrics.json and (``write_results``) the result files ``out_dir/data`` and the ground truth
     they were scored against ``out_dir/label_2`` (both filtered by :func:`detector.module.frame_records`, the
     translation validation uses): ``scripts/kitti_eval.py`` on the two folders prints the same table.
-    ``inference_path``: :func:`load_detector`'s. The plan's cost model is loaded (or calibrated) before the timed
-    loop, so ``_run.time_ms_per_frame.plan`` holds the planning alone (``_run.plan_cost_model_ms``: the load).
+    ``inference_path``, ``block_size``: :func:`load_detector`'s. The plan's cost model is loaded (or calibrated)
+    before the timed loop, so ``_run.time_ms_per_frame.plan`` holds the planning alone (``_run.plan_cost_model_ms``:
+    the load).
     Returns the metric JSON."""
     from detector.predict import Predictor
 
     device = device or ("cuda" if torch.cuda.is_available() and backend == "eager" else "cpu")
-    predictor, cfg = Predictor.from_checkpoint(ckpt_path, mask_override, device, inference_path)
+    predictor, cfg = Predictor.from_checkpoint(ckpt_path, mask_override, device, inference_path, block_size)
     model, sparse = predictor.model, bool(cfg.model.sparse)
     if backend != "eager":  # the exported network (detector/export.py), masked and decoded the same way
         predictor.use_backend(backend, sparse, Path(out_dir) / backend)
@@ -682,7 +690,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     # ``mask=<name>`` on the command line selects eval.yaml's optional mask group (None: the checkpoint's).
     return evaluate_checkpoint(cfg.ckpt_path, data_cfg, out_dir, split=split, mask_override=cfg.get("mask"),
                                write_results=cfg.write_results, backend=cfg.get("backend", "eager"),
-                               inference_path=cfg.get("inference_path"))
+                               inference_path=cfg.get("inference_path"), block_size=cfg.get("block_size"))
 
 
 def _warn_trained_frames(root: Any, split: str, saved_data: dict) -> None:

@@ -102,7 +102,6 @@ def _ratio(dense_ms: float, ms: float) -> float:
 
 def bench_units(args: dict, dev: torch.device, dtype: torch.dtype, rows: list) -> None:
     from detector.nn import capacity as cp
-    from detector.nn.chain import ActiveBlocks
     from detector.nn.cost import dense_macs, sparse_macs
     from detector.nn.graphs import DenseRunner, capture
     from detector.nn.resnet import SparseResidualUnit, SparseStage
@@ -138,7 +137,7 @@ def bench_units(args: dict, dev: torch.device, dtype: torch.dtype, rows: list) -
                 modes, caps = [tile], [(bucket_for(k, b * blocks.block.num_blocks), 0)]
                 run_cap = lambda: cp.forward_capacity(net, x, mask, modes, caps)  # noqa: E731
                 graph = capture(lambda a, m: cp.forward_capacity(net, a, m, modes, caps), x, mask)
-                ms = {"sparse_exact": timed(lambda: unit(x, blocks=ActiveBlocks(blocks.indices, blocks.block)),
+                ms = {"sparse_exact": timed(lambda: unit(x, blocks=blocks),
                                             dev, reps),
                       "sparse_capacity": timed(run_cap, dev, reps),
                       "sparse_capacity_graph": timed(lambda: graph(x, mask), dev, reps)}

@@ -49,6 +49,7 @@ from detector.nn.graphs import GraphCache
 from detector.nn.norm import needs_sync
 from detector.nn.plan import AUTO, DENSE, Plan, StageInput, check_setting, measure
 from detector.nn.resnet import SparseResNet, downsample_mask
+from detector.ops.capacity import BlockList
 
 SPARSE_PATHS = ("auto", "exact", "capacity")
 
@@ -82,16 +83,18 @@ class TopDownNeck(nn.Module):
         )
         self.out_channels = channels
 
-    def forward(self, feats: Sequence[torch.Tensor], masks: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, feats: Sequence[torch.Tensor], masks: Sequence[torch.Tensor] | None = None,
+                modes: Sequence[int | str | BlockList | None] | None = None) -> torch.Tensor:
         """``feats``: the backbone's stage outputs; ``masks``: None (dense) or the mask at each used
-        level's resolution (``masks[j]`` for stride ``self.strides[j]``)."""
+        level's resolution (``masks[j]`` for stride ``self.strides[j]``); ``modes``: how each level runs
+        (:func:`~detector.nn.capacity.run_chain`; None: sparse at the chain's tile)."""
         x = None
         for j in reversed(range(len(self.use))):
             lat = self.lateral[j](feats[self.use[j]])
             if x is not None:
                 x = F.interpolate(x, size=lat.shape[-2:], mode="nearest")
                 lat = lat + x
-            x = run_chain(self.smooth[j], lat, None if masks is None else masks[j])
+            x = run_chain(self.smooth[j], lat, None if masks is None else masks[j], None if modes is None else modes[j])
         return x
 
 
@@ -296,13 +299,7 @@ class BevDetector(nn.Module):
                               times=times if self.timing else None)
         t = self._tick(times, "backbone", t)
         neck_modes, head_mode = modes[len(self.backbone.stages): -1], modes[-1]
-        for chain, m in zip(self.neck.smooth, neck_modes, strict=True):
-            if m != DENSE:
-                chain.block_size = int(m)
-        if head_mode != DENSE:
-            self.head.tower.block_size = int(head_mode)
-        neck_masks = [None if m == DENSE else lm for m, lm in zip(neck_modes, level_masks, strict=True)]
-        heat, reg = self.head(self.neck(feats, neck_masks), None if head_mode == DENSE else level_masks[0])
+        heat, reg = self.head(self.neck(feats, level_masks, neck_modes), level_masks[0], head_mode)
         self._tick(times, "head", t)
         return heat, reg
 
@@ -324,9 +321,9 @@ class BevDetector(nn.Module):
         for j, chain in enumerate(self.neck.smooth):
             hw = inputs[self.neck.use[j] + 1].rest_hw
             inputs.append(measure(f"neck_s{self.neck.strides[j]}", settings[nb + j], [chain], (N, *hw), level_masks[j],
-                                  None, cands, prune))
+                                  cands, prune))
         hw = inputs[nb].shape[1:]
-        inputs.append(measure("head", settings[-1], [self.head.tower], (N, *hw), level_masks[0], None, cands, prune))
+        inputs.append(measure("head", settings[-1], [self.head.tower], (N, *hw), level_masks[0], cands, prune))
         return inputs
 
     def execution_modes(self, x_shape: tuple[int, ...], mask: torch.Tensor, level_masks: Sequence[torch.Tensor]
@@ -366,18 +363,19 @@ class BevDetector(nn.Module):
         (heatmap logits, regression, the device-side overflow flag, every list's true count). No host read."""
         nb = len(self.backbone.stages)
         feats, overflow, counts = forward_capacity(self.backbone, bev, mask, modes[:nb], caps[:nb])
-        lists = []
+        lists: list[BlockList | str] = []
         chains = [*self.neck.smooth, self.head.tower]
+        level_masks = [lm.to(bev.dtype) for lm in level_masks]
         for chain, m, cap, lm in zip(chains, modes[nb:], caps[nb:], [*level_masks, level_masks[0]], strict=True):
             if m == DENSE:
-                lists.append(None)
+                lists.append(DENSE)
                 counts.append([])
                 continue
-            bl = chain_list(chain, lm.to(bev.dtype), int(m), cap[0])
+            bl = chain_list(chain, lm, int(m), cap[0])
             overflow = overflow | bl.overflow
             counts.append([bl.count])
             lists.append(bl)
-        heat, reg = self.head(self.neck(feats, lists[:-1]), lists[-1])
+        heat, reg = self.head(self.neck(feats, level_masks, lists[:-1]), level_masks[0], lists[-1])
         return heat, reg, overflow, counts
 
     def capacity_forward(self, bev: torch.Tensor, mask: torch.Tensor, level_masks: Sequence[torch.Tensor],

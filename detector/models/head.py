@@ -44,8 +44,9 @@ class DetectionHead(nn.Module):
         nn.init.normal_(self.regression.weight, std=0.01)
         nn.init.zeros_(self.regression.bias)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, C, h, w] (+ mask [B, 1, h, w], or a block list: the capacity path) -> (heatmap logits [B, K, h, w],
-        regression [B, 8, h, w])."""
-        x = run_chain(self.tower, x, mask)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, mode=None  # noqa: ANN001
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, C, h, w] (+ mask [B, 1, h, w]; ``mode``: how the tower runs, :func:`~detector.nn.capacity.run_chain`)
+        -> (heatmap logits [B, K, h, w], regression [B, 8, h, w])."""
+        x = run_chain(self.tower, x, mask, mode)
         return self.heatmap(x), self.regression(x)

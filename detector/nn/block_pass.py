@@ -32,7 +32,6 @@ from .geometry import ChainGeometry, ConvSpec, LevelMasks, zero_pixels
 from .norm import (
     Moments,
     batch_norm_native,
-    check_count,
     needs_sync,
     region_batch_norm,
     region_moments,
@@ -89,14 +88,12 @@ class BlockPass:
         """Slot ``j``'s moments of ``z`` over the tile regions (kept in :attr:`new`)."""
         level = self._level(j)
         m = region_moments(z, self.geo.levels[level], self.masks[level])
-        if not self.collect:  # inline statistics of the whole batch: a chunk may legitimately hold 1 pixel
-            check_count(f"{self.chain.name}.bn[{j}]", m.count)
         self.new[j] = m
         return m
 
     def norm(self, j: int, z: torch.Tensor) -> torch.Tensor:
         """BN slot ``j`` applied to ``z`` (whole blocks, halo included)."""
-        bn, name = self.slots[j], f"{self.chain.name}.bn[{j}]"
+        bn = self.slots[j]
         if not uses_batch_stats(bn):
             s, t = running_scale_shift(bn)
             return torch.addcmul(t.view(1, -1, 1, 1), z, s.view(1, -1, 1, 1))
@@ -105,10 +102,8 @@ class BlockPass:
         lvl, lm = self.geo.levels[level], self.masks[level]
         if m is None and not self.collect and needs_sync(bn):  # DDP: statistics of all processes
             m = self.new[j] = sync_moments(bn, region_moments(z, lvl, lm), z)
-            check_count(name, m.count)
         if m is None:  # this pass's own moments (a collecting pass stops before it gets here)
-            check_count(name, lm.count)
-            if lvl.offset == (0, 0) and lvl.region == lvl.extent and lm.region is None:
+            if lvl.offset == (0, 0) and lvl.region == lvl.extent and lm.region is None and lm.count > 1:
                 # the tile region is the whole block, all in the map: nn.BatchNorm2d's own fused kernel
                 # gives the same statistics (and updates the running ones)
                 return batch_norm_native(bn, z)

@@ -13,13 +13,14 @@ shapes repeat (a captured graph per bucket, :mod:`detector.nn.graphs`):
 
 Per unit: :func:`chain_capacity` runs the chain with the fused ops (:mod:`detector.ops.fused`: the gather fused
 into the first convolution, batch norm folded, the residual and the scatter fused into the last one; on the CPU
-their composition of the compiled kernels and oneDNN's convolutions). Values on active tiles equal the exact
-path's (and so the dense twin's); inactive tiles are the input (identity units) or zero.
+their composition of the compiled kernels and oneDNN's convolutions). It computes the unit's masked function
+(:mod:`detector.nn.chain`): the tiles are those holding a pixel of the unit's mask at the output, and only the
+mask's pixels are written - the exact path's values, whatever the tile.
 
 Training: a batch norm in training mode is not folded; its convolution runs unfused and the BN takes the batch
-moments of the active rows' tile regions (padding rows left out, the count a device tensor: no read), as the exact
-path's region statistics do; the backward is autograd's through the ops. Synchronized BN across processes (DDP)
-needs the exact path.
+moments of the level's mask pixels in the active rows' tile regions (padding rows left out, the count a device
+tensor: no read), as the exact path's statistics do; the backward is autograd's through the ops. Synchronized BN
+across processes (DDP) needs the exact path.
 
 Capacity overflow (a list shorter than the active blocks, e.g. a graph captured for a smaller bucket) is never
 silent: every list's ``overflow`` flag is OR-ed on the device into the returned flag, and :func:`run_checked`
@@ -31,16 +32,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 
 from detector.ops import sparse_gather
-from detector.ops.capacity import BlockList, level_valid, reduce_mask_capacity, scatter_padded
+from detector.ops.capacity import BlockList, gather_windows, level_valid, reduce_mask_capacity, scatter_padded
 from detector.ops.fused import conv_blocks, conv_scatter
 
 from .chain import SparseConvChain, zeros_in_layout
-from .geometry import ChainGeometry, Level
+from .geometry import ChainGeometry, Level, mask_at_stride
 from .norm import list_batch_norm, needs_sync, running_scale_shift, update_running_stats, uses_batch_stats
 from .plan import AUTO, DENSE, Plan, StageInput, list_rows, settle
 
@@ -54,12 +55,12 @@ StageCapacity = tuple[int, int]  # (capacity of the first unit's list, of the ot
 
 class _ListNorm:
     """The BN slots of ``chain`` on ``blist``'s blocks: folded into the convolutions (running statistics), or -
-    a slot in training mode - applied with the batch moments of the active rows' tile regions
-    (:func:`~detector.nn.norm.list_batch_norm`: padding rows excluded, no host read), its running statistics
-    updated as the exact path updates them."""
+    a slot in training mode - applied with the batch moments of the level's mask pixels in the active rows' tile
+    regions (:func:`~detector.nn.norm.list_batch_norm`: padding rows excluded, no host read), its running statistics
+    updated as the exact path updates them. ``mask``: the unit's binary mask at its input resolution."""
 
-    def __init__(self, chain: SparseConvChain, blist: BlockList, geo: ChainGeometry) -> None:
-        self.chain, self.blist, self.geo = chain, blist, geo
+    def __init__(self, chain: SparseConvChain, blist: BlockList, geo: ChainGeometry, mask: torch.Tensor) -> None:
+        self.chain, self.blist, self.geo, self.mask = chain, blist, geo, mask
         self.slots = chain.slots
         self._inside: dict[Level, torch.Tensor] = {}
         for j, bn in enumerate(self.slots):
@@ -90,7 +91,7 @@ class _ListNorm:
     def __call__(self, j: int, z: torch.Tensor) -> torch.Tensor:
         """Slot ``j`` (training mode) on the blocks ``z`` of its level."""
         lv = self.geo.levels[self.chain.slot_levels[j]]
-        y, m = list_batch_norm(self.slots[j], z, region_weights(self.blist, lv, self.inside(lv)))
+        y, m = list_batch_norm(self.slots[j], z, region_weights(self.blist, lv, mask_at_stride(self.mask, lv.stride)))
         update_running_stats(self.slots[j], m)
         return y
 
@@ -105,20 +106,23 @@ def _out_slot(chain: SparseConvChain, i: int) -> int | None:
     return j if j < len(chain.bns) else None
 
 
-def region_weights(blist: BlockList, level: Level, inside: torch.Tensor) -> torch.Tensor:
-    """bool ``[capacity, 1, e_h, e_w]``: the pixels of ``level``'s blocks that its batch statistics count - the
-    active rows' tile regions (block pixels ``offset ... offset + region``) among the in-map pixels ``inside``."""
+def region_weights(blist: BlockList, level: Level, mask: torch.Tensor) -> torch.Tensor:
+    """bool ``[capacity, 1, e_h, e_w]``: the pixels of ``level``'s blocks that its batch statistics count - the pixels
+    of the level's mask ``mask`` (in the map) in the active rows' tile regions (block pixels ``offset ... offset +
+    region``)."""
     (eh, ew), (ph, pw), (rh, rw) = level.extent, level.offset, level.region
     dev = blist.indices.device
     ry = (torch.arange(eh, device=dev) >= ph) & (torch.arange(eh, device=dev) < ph + rh)
     rx = (torch.arange(ew, device=dev) >= pw) & (torch.arange(ew, device=dev) < pw + rw)
-    return inside & (ry[:, None] & rx[None, :]) & blist.valid.view(-1, 1, 1, 1)
+    on = gather_windows(mask, blist.indices, level.extent, (level.region, level.offset)) > 0.5
+    return on & (ry[:, None] & rx[None, :]) & blist.valid.view(-1, 1, 1, 1)
 
 
-def chain_capacity(chain: SparseConvChain, x: torch.Tensor, blist: BlockList, inplace: bool = False,
-                   tile: int | None = None) -> torch.Tensor:
-    """The chain on ``blist`` (module docstring) with output tiles of ``tile`` (None: the chain's block size);
-    ``inplace``: an identity unit writes into ``x`` itself (not under autograd).
+def chain_capacity(chain: SparseConvChain, x: torch.Tensor, blist: BlockList, mask: torch.Tensor,
+                   inplace: bool = False, tile: int | None = None) -> torch.Tensor:
+    """The chain on ``blist`` (module docstring; made by :func:`chain_list` from ``mask``, the unit's binary mask at
+    its input resolution) with output tiles of ``tile`` (None: the chain's block size); ``inplace``: an identity
+    unit writes into ``x`` itself (not under autograd).
 
     Running statistics: each conv, its BN folded in, is one fused op. Training-mode batch norm: the convolution
     unfused, the BN on its blocks with the list's batch moments (:class:`_ListNorm`), then ReLU and the level's
@@ -127,7 +131,7 @@ def chain_capacity(chain: SparseConvChain, x: torch.Tensor, blist: BlockList, in
     if blist.block != geo.block:
         raise ValueError(f"{chain.name}: the block list was made for another geometry ({blist.block}); "
                          f"this unit needs {geo.block}")
-    norm = _ListNorm(chain, blist, geo)
+    norm = _ListNorm(chain, blist, geo, mask)
     lv, specs, L = geo.levels, chain.specs, len(chain.convs)
     T = geo.tile
     origin0 = (lv[0].region, lv[0].offset)
@@ -201,29 +205,22 @@ def _format(x: torch.Tensor) -> torch.memory_format:
     return torch.channels_last if nhwc else torch.contiguous_format
 
 
-def _downsample(mask: torch.Tensor) -> torch.Tensor:
-    return F.max_pool2d(mask, kernel_size=2, stride=2, ceil_mode=True)
-
-
 def stage_capacity(stage: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor, tile: int, caps: StageCapacity
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """One stage sparse at ``tile`` on lists of capacities ``caps``: (output, mask at the output resolution,
-    overflow flag, the lists' true counts), all without a host read."""
+    """One stage sparse at ``tile`` on lists of capacities ``caps``: (output, the binary mask at the output
+    resolution, overflow flag, the lists' true counts), all without a host read."""
     units, tile = list(stage.units), int(tile)
     first = units[0]
-    bl = reduce_mask_capacity(mask, first.geometry(int(x.shape[2]), int(x.shape[3]), tile).block, int(caps[0]),
-                              first.tol, first.avgpool)
+    mask = first.binary(mask)
+    bl = chain_list(first, mask, tile, int(caps[0]))
     x_in = x
-    x = chain_capacity(first, x, bl, inplace=False, tile=tile)
+    x = chain_capacity(first, x, bl, mask, inplace=False, tile=tile)
     overflow, counts = bl.overflow, [bl.count]
-    if first.stride == 2:
-        mask = _downsample(mask)
+    mask = bl.mask
     if len(units) > 1:
-        u1 = units[1]
-        br = reduce_mask_capacity(mask, u1.geometry(int(x.shape[2]), int(x.shape[3]), tile).block, int(caps[1]),
-                                  u1.tol, u1.avgpool)
+        br = chain_list(units[1], mask, tile, int(caps[1]))
         for u in units[1:]:  # in place into the stage's own intermediates only
-            x = chain_capacity(u, x, br, inplace=x is not x_in, tile=tile)
+            x = chain_capacity(u, x, br, mask, inplace=x is not x_in, tile=tile)
         overflow, counts = overflow | br.overflow, counts + [br.count]
     return x, mask, overflow, counts
 
@@ -322,15 +319,26 @@ def run_checked(net: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor, modes
 
 
 def chain_list(chain: SparseConvChain, mask: torch.Tensor, tile: int, capacity: int) -> BlockList:
-    """The block list of a one-chain stage (the neck's and head's) at ``tile`` on ``mask`` (its input
-    resolution), of ``capacity`` rows; no host read."""
+    """The block list of ``chain`` at ``tile`` on ``mask`` (its input resolution, binary at the chain's ``tol``), of
+    ``capacity`` rows: the tiles whose output holds a pixel of the mask at the output resolution (the list's
+    ``mask``, where its tiles are written); no host read."""
     geo = chain.geometry(int(mask.shape[2]), int(mask.shape[3]), int(tile))
-    return reduce_mask_capacity(mask, geo.block, int(capacity), chain.tol, chain.avgpool)
+    m_out = mask_at_stride(chain.binary(mask), chain.stride)
+    return replace(reduce_mask_capacity(m_out, geo.select, int(capacity)), block=geo.block, mask=m_out)
 
 
-def run_chain(chain: SparseConvChain, x: torch.Tensor, mask: torch.Tensor | BlockList | None) -> torch.Tensor:
-    """``chain`` dense (no mask), on the exact path (a mask) or on the capacity path (a :class:`BlockList`, at
-    the tile it was made for): the one call the neck and the head make for either path."""
-    if isinstance(mask, BlockList):
-        return chain_capacity(chain, x, mask, tile=mask.block.obsize)
+def run_chain(chain: SparseConvChain, x: torch.Tensor, mask: torch.Tensor | None,
+              mode: int | str | BlockList | None = None) -> torch.Tensor:
+    """``chain`` on ``x`` and its level's ``mask`` - the one call the neck and the head make for either path:
+    no mask: the dense twin; ``mode`` a tile (or None: the chain's block size): the exact path; a
+    :class:`BlockList` (made by :func:`chain_list`): the capacity path at the tile it was made for; 'dense': the
+    whole map, the mask applied. The same values every way."""
+    if mask is None:
+        return chain(x)
+    if isinstance(mode, BlockList):
+        return chain_capacity(chain, x, mode, chain.binary(mask), tile=mode.block.obsize)
+    if mode == DENSE:
+        return chain(x, mask=mask, dense=True)
+    if mode is not None:
+        chain.block_size = int(mode)
     return chain(x, mask=mask)

@@ -1,40 +1,46 @@
 """A chain of conv-BN-ReLU layers (optionally residual) that runs dense, or sparse on active blocks.
 
 :class:`SparseConvChain` is the engine behind the sparse residual units (:mod:`detector.nn.resnet`).
-The same parameters (same ``state_dict``) run either way:
+The same parameters (same ``state_dict``) run either way.
 
-- **dense** (no mask): the ordinary network, convolutions with zero padding ``(k - 1) // 2``;
-- **sparse** (a mask or precomputed :class:`ActiveBlocks`): ONE ``sparse_gather`` of the active blocks
-  with the halo of the whole chain's receptive field (:mod:`detector.nn.geometry`), every convolution
-  with VALID padding on the blocks, BN and ReLU, and ONE ``sparse_scatter`` of the output tiles.
+**The mask defines the function.** Given a binary mask ``M`` at the input resolution (``mask > tol``) and
+``M_out`` at the output's (max-pooled by the chain's stride, ceil mode), the chain computes, per pixel,
 
-Sparse semantics, per active output tile (exactly the dense twin's values there, up to float
-rounding), and elsewhere:
+- identity shortcut (stride 1, same channels): ``where(M_out, unit(x), x)``;
+- projection shortcut (stride 2 or a channel change) or no shortcut: ``where(M_out, unit(x), 0)``,
 
-- residual, identity shortcut (stride 1, same channels): inactive tiles keep the input ``x``;
-- projection shortcut (stride 2 or a channel change) or no shortcut: inactive tiles are **zero**.
-  The projection (1x1 conv, stride ``S``; BN in the post-activation form) is computed sparsely inside
-  the blocks from the tile's own pixels, so it costs nothing outside the active tiles.
+where ``unit`` is the dense twin (convolutions with zero padding ``(k - 1) // 2``, BN, ReLU). A batch norm in
+training mode normalizes with the batch statistics of its level's mask pixels (``M`` max-pooled by the level's
+stride; all pixels when there is no mask), so ``unit(x)`` at a pixel depends on ``x`` and the mask only.
+How it is executed changes the time, never the values:
 
-Correctness details that make the active tiles equal the dense twin:
+- **dense** (``dense=True`` or no mask): the whole map, then the mask applied (no mask: the ordinary network);
+- **sparse** (a mask or precomputed :class:`ActiveBlocks`): the tiles whose output holds a pixel of ``M_out``
+  (which therefore cover it), ONE ``sparse_gather`` of them with the halo of the whole chain's receptive field
+  (:mod:`detector.nn.geometry`), every convolution with VALID padding on the blocks, BN and ReLU, and ONE
+  ``sparse_scatter`` of the output tiles with the mask applied inside them. Any tile size gives the same output.
+
+Correctness details that make the tiles equal the dense twin:
 
 - after every intermediate layer that feeds a ``k > 1`` convolution, block pixels outside the level's
   map are zeroed (they are the dense twin's zero padding; BN/ReLU of a zero is not zero);
-- batch-norm in training mode uses statistics over the active tiles' regions, in-map pixels only
-  (:mod:`detector.nn.norm`); with an all-ones mask they are the dense statistics; running statistics
-  are updated once per forward with them (not at all when no block is active).
+- batch-norm in training mode uses statistics over the mask's pixels of its level, inside the active tiles'
+  regions (:mod:`detector.nn.norm`), which hold all of them; with an all-ones mask they are the dense statistics;
+  running statistics are updated once per forward with them (not at all when no pixel is active).
+
+The projection (1x1 conv, stride ``S``; BN in the post-activation form) is computed sparsely inside the blocks
+from the tile's own pixels, so it costs nothing outside the active tiles.
 
 Eval-mode BN that follows a convolution is folded into the convolution (weight * scale, bias = shift)
 on both paths; the pre-activation unit's input BN is applied as an affine map. A training-mode BN
-whose tile region is the whole block (no halo at that level, no block past the map border) runs
-``F.batch_norm`` itself - the same statistics, fused kernels.
+whose counted pixels are its whole blocks (no halo at that level, no block past the map border, the mask
+covering the tiles) runs ``F.batch_norm`` itself - the same statistics, fused kernels.
 
 Layout: the ops read and write NCHW and channels-last maps natively and the blocks take the map's
 layout (channels-last is what oneDNN and cuDNN convolve fastest; :class:`~detector.nn.resnet.SparseResNet`
 makes its input channels-last). An identity unit's gather and scatter are one fused pair
-(:class:`detector.ops.ResidualBlocks`): the post-activation shortcut ``relu(x + tile)`` is done by the
-scatter, and ``x``'s gradient is assembled in one map-sized pass. With ``inplace=True`` - for an ``x``
-the caller owns, e.g. the stage's own intermediates - the unit writes its tiles into ``x`` itself, in
+(:class:`detector.ops.ResidualBlocks`), ``x``'s gradient assembled in one map-sized pass. With ``inplace=True`` -
+for an ``x`` the caller owns, e.g. the stage's own intermediates - the unit writes its tiles into ``x`` itself, in
 training too (autograd records the in-place write), so its forward costs the blocks, not the map.
 
 Pieces: :mod:`detector.nn.block_pass` (the chain on gathered blocks), :mod:`detector.nn.chunked` (several
@@ -61,8 +67,18 @@ from detector.ops.blocks import pair
 
 from .block_pass import BlockPass
 from .chunked import run_chunked
-from .geometry import BlockSpan, ChainGeometry, ConvSpec, Level, LevelMasks, chain_geometry, level_masks
+from .geometry import (
+    BlockSpan,
+    ChainGeometry,
+    ConvSpec,
+    Level,
+    LevelMasks,
+    chain_geometry,
+    level_masks,
+    mask_at_stride,
+)
 from .norm import (
+    list_batch_norm,
     needs_sync,
     running_scale_shift,
     sync_moments,
@@ -77,14 +93,17 @@ Shortcut = Literal["identity", "projection", "none"]
 
 @dataclass(frozen=True, eq=False)
 class ActiveBlocks:
-    """Active blocks of a sparse layer: ``indices`` int32 ``[K, 3]`` (n, by, bx) on the ``block`` grid.
+    """Active blocks of a sparse layer: ``indices`` int32 ``[K, 3]`` (n, by, bx) on the ``block`` grid, and the
+    unit's binary ``mask [N, 1, H, W]`` at its input resolution (what the unit computes: module docstring).
 
-    The units of a stage share one ActiveBlocks (same indices, same geometry), and so share its level
+    The units of a stage share one ActiveBlocks (same indices, same geometry, same mask), and so share its level
     masks: :meth:`level_masks` builds each level's once (a host sync or two each) and keeps them."""
 
     indices: torch.Tensor
     block: BlockParams
+    mask: torch.Tensor
     _masks: dict[Level, LevelMasks] = field(default_factory=dict, init=False, repr=False)
+    _strided: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def count(self) -> int:
@@ -95,14 +114,20 @@ class ActiveBlocks:
         """The blocks' row/column range (one host sync, once), None without blocks."""
         return BlockSpan.of(self.indices) if self.count else None
 
+    def mask_at(self, r: int) -> torch.Tensor:
+        """The mask at stride ``r`` from the unit's input (:func:`~detector.nn.geometry.mask_at_stride`), made once."""
+        if r not in self._strided:
+            self._strided[r] = mask_at_stride(self.mask, r)
+        return self._strided[r]
+
     def level_masks(self, levels: Sequence[Level]) -> list[LevelMasks]:
         """:func:`~detector.nn.geometry.level_masks` of these blocks at each of ``levels``, built once per
         level (traced - torch.compile / torch.export - they are built each time, without a span)."""
         if torch.compiler.is_compiling():
-            return [level_masks(self.indices, lv) for lv in levels]
+            return [level_masks(self.indices, lv, self.mask_at(lv.stride)) for lv in levels]
         for lv in levels:
             if lv not in self._masks:
-                self._masks[lv] = level_masks(self.indices, lv, self.span)
+                self._masks[lv] = level_masks(self.indices, lv, self.mask_at(lv.stride), self.span)
         return [self._masks[lv] for lv in levels]
 
 
@@ -128,8 +153,9 @@ class SparseConvChain(nn.Module):
         out = z + shortcut            shortcut: x | proj(a0) | 0
 
     ``block_size`` is the output tile (pixels per side, int or pair); the gathered block is larger by
-    the chain's halo. Sparse inputs: ``mask [N, 1, H, W]`` at the input resolution (a block is active
-    if the mask's max over its input window exceeds ``tol``; its mean with ``avgpool=True``).
+    the chain's halo. Sparse inputs: ``mask [N, 1, H, W]`` at the input resolution, binary at ``tol``
+    (``mask > tol``): the unit computes where it is set (module docstring); a tile is active if its output
+    holds a pixel of the mask at the output resolution.
     """
 
     def __init__(
@@ -143,7 +169,6 @@ class SparseConvChain(nn.Module):
         shortcut: Shortcut = "none",
         block_size: int | tuple[int, int] = 16,
         tol: float = 0.5,
-        avgpool: bool = False,
         memory_budget_mb: float = 1024.0,
         name: str = "SparseConvChain",
     ) -> None:
@@ -175,7 +200,6 @@ class SparseConvChain(nn.Module):
         self.shortcut = shortcut
         self.block_size = block_size
         self.tol = float(tol)
-        self.avgpool = avgpool
         self.memory_budget_mb = float(memory_budget_mb)
         self.specs = tuple(ConvSpec(k, s, (k - 1) // 2) for k, s in zip(ksizes, strides, strict=True))
         ins = [in_channels, *channels[:-1]]
@@ -202,8 +226,7 @@ class SparseConvChain(nn.Module):
     def extra_repr(self) -> str:
         convs = ", ".join(f"{s.ksize}x{s.ksize}/{s.stride}" for s in self.specs)
         return (f"{self.name}: {self.in_channels} -> {self.out_channels}, convs [{convs}], shortcut={self.shortcut}, "
-                f"preact={self.preact}, block_size={self.block_size}, tol={self.tol}"
-                + (", avgpool" if self.avgpool else ""))
+                f"preact={self.preact}, block_size={self.block_size}, tol={self.tol}")
 
     # ---------------------------------------------------------------------------------- helpers
     @property
@@ -232,15 +255,24 @@ class SparseConvChain(nn.Module):
             raise TypeError(f"{self.name}: x must be a floating-point tensor, got {x.dtype}")
         return x
 
+    def binary(self, mask: torch.Tensor) -> torch.Tensor:
+        """``mask`` made the unit's binary mask: 1 where it exceeds ``tol``, else 0 (float)."""
+        dtype = mask.dtype if mask.is_floating_point() else torch.float32
+        return (mask > self.tol).to(dtype)
+
     def active_blocks(self, mask: torch.Tensor) -> ActiveBlocks:
-        """The active blocks of ``mask [N, 1, H, W]`` (input resolution) for this chain's geometry."""
+        """The active blocks of ``mask [N, 1, H, W]`` (input resolution) for this chain's geometry: the tiles whose
+        output holds a pixel of the mask at the output resolution."""
         if not isinstance(mask, torch.Tensor):
             raise TypeError(f"{self.name}: mask must be a torch.Tensor, got {type(mask).__name__}")
         if mask.dim() != 4 or mask.shape[1] != 1:
             raise ValueError(f"{self.name}: mask must be [N, 1, H, W], got {tuple(mask.shape)}")
         geo = self.geometry(int(mask.shape[2]), int(mask.shape[3]))
-        idx = reduce_mask(mask, geo.block, tol=self.tol, avgpool=self.avgpool)
-        return ActiveBlocks(indices=idx, block=geo.block)
+        m = self.binary(mask)
+        m_out = mask_at_stride(m, self.stride)
+        blocks = ActiveBlocks(indices=reduce_mask(m_out, geo.select, tol=0.5), block=geo.block, mask=m)
+        blocks._strided[self.stride] = m_out  # made here already: the scatter's mask
+        return blocks
 
     def block_bytes(self, geo: ChainGeometry, itemsize: int) -> int:
         """Estimated working memory of one block: the gathered input plus 3 x the largest level."""
@@ -261,38 +293,64 @@ class SparseConvChain(nn.Module):
         S = self.stride
         return x if S == 1 else x[:, :, ::S, ::S]
 
-    def _conv_bn_dense(
-        self, conv: nn.Conv2d, bn: nn.BatchNorm2d, a: torch.Tensor, stride: int | None = None
-    ) -> torch.Tensor:
+    def _conv_bn_dense(self, conv: nn.Conv2d, bn: nn.BatchNorm2d, a: torch.Tensor, stride: int | None = None,
+                       m: torch.Tensor | None = None) -> torch.Tensor:
         stride = conv.stride if stride is None else stride
         if uses_batch_stats(bn):
-            return bn(F.conv2d(a, conv.weight, conv.bias, stride, conv.padding))
+            return self._norm_dense(bn, F.conv2d(a, conv.weight, conv.bias, stride, conv.padding), m)
         s, t = running_scale_shift(bn)
         return F.conv2d(a, conv.weight * s.view(-1, 1, 1, 1), t, stride, conv.padding)
 
-    def forward_dense(self, x: torch.Tensor) -> torch.Tensor:
-        """The dense twin: the ordinary network on the whole map."""
+    @staticmethod
+    def _norm_dense(bn: nn.BatchNorm2d, z: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+        """``bn`` on a whole map: with the batch statistics of the mask's pixels ``m`` (its level's), or of every
+        pixel without one (``nn.BatchNorm2d`` itself); running statistics updated with them."""
+        if m is None or not uses_batch_stats(bn):
+            return bn(z)
+        y, moments = list_batch_norm(bn, z, m)
+        update_running_stats(bn, moments)
+        return y
+
+    def level_strides(self) -> list[int]:
+        """Each level's stride from the chain's input (input, after conv_0, ..., output)."""
+        out = [1]
+        for spec in self.specs:
+            out.append(out[-1] * spec.stride)
+        return out
+
+    def forward_dense(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The dense twin on the whole map; with a ``mask`` (binary, input resolution) the unit's masked function
+        (module docstring): batch statistics of each level's mask pixels, the output where the mask is set."""
         convs, bns, L = self.convs, self.bns, len(self.convs)
+        ms: list[torch.Tensor | None] = [None] * (L + 1)
+        if mask is not None:
+            strided: dict[int, torch.Tensor] = {}
+            for i, r in enumerate(self.level_strides()):
+                ms[i] = strided[r] = strided[r] if r in strided else mask_at_stride(mask, r)
+        slot_mask = [ms[lv] for lv in self.slot_levels]
         if self.preact:
-            a0 = F.relu_(bns[0](x))
+            a0 = F.relu_(self._norm_dense(bns[0], x, slot_mask[0]))
             a = a0
             for i in range(L - 1):
-                a = F.relu_(self._conv_bn_dense(convs[i], bns[i + 1], a))
-            z = convs[L - 1](a)
+                a = F.relu_(self._conv_bn_dense(convs[i], bns[i + 1], a, m=slot_mask[i + 1]))
+            y = convs[L - 1](a)
             if self.shortcut == "identity":
-                return z + x
-            if self.shortcut == "projection":
-                return z + F.conv2d(self._subsample(a0), self.proj.weight)
-            return z
-        a = x
-        for i in range(L - 1):
-            a = F.relu_(self._conv_bn_dense(convs[i], bns[i], a))
-        b = self._conv_bn_dense(convs[L - 1], bns[L - 1], a)
-        if self.shortcut == "identity":
-            return F.relu_(b + x)
-        if self.shortcut == "projection":
-            return F.relu_(b + self._conv_bn_dense(self.proj, self.proj_bn, self._subsample(x), stride=1))
-        return F.relu_(b)
+                y = y + x
+            elif self.shortcut == "projection":
+                y = y + F.conv2d(self._subsample(a0), self.proj.weight)
+        else:
+            a = x
+            for i in range(L - 1):
+                a = F.relu_(self._conv_bn_dense(convs[i], bns[i], a, m=slot_mask[i]))
+            y = self._conv_bn_dense(convs[L - 1], bns[L - 1], a, m=slot_mask[L - 1])
+            if self.shortcut == "identity":
+                y = y + x
+            elif self.shortcut == "projection":
+                y = y + self._conv_bn_dense(self.proj, self.proj_bn, self._subsample(x), stride=1, m=slot_mask[-1])
+            y = F.relu_(y)
+        if mask is None:
+            return y
+        return torch.where(ms[L] > 0.5, y, x if self.shortcut == "identity" else 0)
 
     # ----------------------------------------------------------------------------------- sparse
     def forward_sparse(self, x: torch.Tensor, blocks: ActiveBlocks, inplace: bool = False) -> torch.Tensor:
@@ -322,22 +380,34 @@ class SparseConvChain(nn.Module):
         if not traced and blocks.count == 0:
             tie = self._sync_empty()
             return base if tie is None else base + tie
+        m_out = blocks.mask_at(self.stride)
         chunk = self.chunk_blocks(geo, x.element_size())
         idx_chunks = [idx] if traced else [idx[s : s + chunk] for s in range(0, blocks.count, chunk)]
         if len(idx_chunks) > 1:
-            masks = [ActiveBlocks(ic, geo.block).level_masks(geo.levels) for ic in idx_chunks]
-            return run_chunked(self, x, base, idx, idx_chunks, masks, geo, add=identity and self.preact)
+            masks = []
+            for ic in idx_chunks:
+                part = ActiveBlocks(ic, geo.block, blocks.mask)
+                part._strided.update(blocks._strided)
+                masks.append(part.level_masks(geo.levels))
+            return run_chunked(self, x, base, idx, idx_chunks, masks, geo, m_out, add=identity and self.preact)
         masks = [blocks.level_masks(geo.levels)]  # shared with the stage's other units on the same blocks
+        keep = sparse_gather(m_out, idx, geo.select) > 0.5  # [K, 1, T_h, T_w]: the tiles' pixels the unit computes
 
         known = [None] * len(self.slots)
-        if identity:  # one gather, the tiles combined into x (or a copy): relu(x + tile) for post-activation
+        if identity:  # one gather, the tiles combined into x (or a copy)
             residual = ResidualBlocks(x, idx, geo.block, inplace=inplace and not (x.is_leaf and x.requires_grad))
-            post = not self.preact
-            tiles, new = BlockPass(self, geo, masks[0], known, collect=False).run(residual.gather(), skip_identity=post)
-            out = residual.scatter(tiles, relu=post)
+            xb = residual.gather()
+            if self.preact:  # x + tile where the mask is set
+                z, new = BlockPass(self, geo, masks[0], known, collect=False).run(xb)
+                out = residual.scatter(torch.where(keep, z, 0), relu=False)
+            else:  # relu(x + tile) where the mask is set, x elsewhere: the tiles overwrite
+                b, new = BlockPass(self, geo, masks[0], known, collect=False).run(xb, skip_identity=True)
+                (p0h, p0w), (th, tw) = geo.levels[0].offset, geo.tile
+                xt = xb[:, :, p0h : p0h + th, p0w : p0w + tw]
+                out = residual.scatter(torch.where(keep, torch.relu(xt + b), xt), relu=False, add=False)
         else:  # tiles written into a fresh zero map
             tiles, new = BlockPass(self, geo, masks[0], known, collect=False).run(sparse_gather(x, idx, geo.block))
-            out = sparse_scatter_(tiles, idx, base, geo.block, add=False)
+            out = sparse_scatter_(torch.where(keep, tiles, 0), idx, base, geo.block, add=False)
         for j, m in new.items():
             update_running_stats(self.slots[j], m)
         return out
@@ -369,8 +439,11 @@ class SparseConvChain(nn.Module):
         mask: torch.Tensor | None = None,
         blocks: ActiveBlocks | None = None,
         inplace: bool = False,
+        dense: bool = False,
     ) -> torch.Tensor:
-        """Dense when neither ``mask`` nor ``blocks`` is given; else sparse on the active blocks.
+        """The unit's function of ``x`` and its mask (module docstring): ``mask`` at the input resolution, or
+        ``blocks`` made from it; neither: the ordinary dense network. Executed sparse on the active blocks, or on
+        the whole map with ``dense=True`` - the same values.
 
         ``inplace``: see :meth:`forward_sparse` (ignored on the dense path).
         """
@@ -385,5 +458,6 @@ class SparseConvChain(nn.Module):
                     f"{self.name}: mask must be [N, 1, H, W] matching x {tuple(x.shape)}, "
                     f"got {tuple(mask.shape)}"
                 )
-            blocks = self.active_blocks(mask)
-        return self.forward_sparse(x, blocks, inplace=inplace)
+        if dense:
+            return self.forward_dense(x, blocks.mask if blocks is not None else self.binary(mask))
+        return self.forward_sparse(x, blocks if blocks is not None else self.active_blocks(mask), inplace=inplace)

@@ -22,7 +22,6 @@ from .block_pass import BlockPass, Chain
 from .geometry import ChainGeometry, LevelMasks
 from .norm import (
     Moments,
-    check_count,
     combine_moments,
     needs_sync,
     sync_moments,
@@ -78,11 +77,12 @@ def run_chunked(
     idx_chunks: list[torch.Tensor],
     masks: list[list[LevelMasks]],
     geo: ChainGeometry,
+    mask_out: torch.Tensor,
     add: bool,
 ) -> torch.Tensor:
     """The chain's output on several chunks of active blocks: tiles combined into a copy of ``base`` (``x``
     for an identity unit; the tiles then include the shortcut, ``add`` for pre-activation) or into
-    ``base`` itself when it is a fresh zero map."""
+    ``base`` itself when it is a fresh zero map; only where the unit's mask at the output, ``mask_out``, is set."""
     slots = chain.slots
     grad = torch.is_grad_enabled()
     known: list[Moments | None] = [None] * len(slots)
@@ -94,12 +94,18 @@ def run_chunked(
             known[j] = combine_moments([p[j] for p in per_chunk])
             if needs_sync(slots[j]):
                 known[j] = sync_moments(slots[j], known[j], known[j].mean)
-            check_count(f"{chain.name}.bn[{j}]", known[j].count)
     known_final = list(known)
     bp: BlockParams = geo.block
 
+    identity = base is x
+    (p0h, p0w), (th, tw) = geo.levels[0].offset, geo.tile
+
     def final(x_: torch.Tensor, ic: torch.Tensor, mc: list[LevelMasks], *_stats: torch.Tensor) -> torch.Tensor:
-        return BlockPass(chain, geo, mc, known_final, collect=False).run(sparse_gather(x_, ic, bp))[0]
+        xb = sparse_gather(x_, ic, bp)
+        tiles = BlockPass(chain, geo, mc, known_final, collect=False).run(xb)[0]
+        keep = sparse_gather(mask_out, ic, geo.select) > 0.5
+        # outside the mask: x's own value where the tiles overwrite x (post-activation identity), else nothing
+        return torch.where(keep, tiles, xb[:, :, p0h : p0h + th, p0w : p0w + tw] if identity and not add else 0)
 
     stats = [t for m in known if m is not None for t in (m.mean, m.var)]
     if grad:

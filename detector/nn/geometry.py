@@ -19,6 +19,12 @@ tile is ``T`` and whose block stride is ``T * S``.
 Level map sizes follow the dense twin: ``H_{i+1} = (H_i + 2 p_i - k_i) // s_i + 1``. Pixels of a
 block outside its level's map are the dense twin's zero padding; a unit must zero them after every
 layer whose output feeds a ``k > 1`` convolution (BN and activation of a padded zero are not zero).
+
+The tiles only carry the computation; what is computed is defined by the unit's mask (:mod:`detector.nn.chain`):
+``M`` at the input resolution, max-pooled by ``r_i`` (ceil mode, :func:`mask_at_stride`) at level ``i``. The
+active tiles are those whose output tile holds a pixel of the output level's mask (``ChainGeometry.select``:
+one window per tile, no halo), so they cover ``M`` whatever the tile size; batch statistics count the mask's
+pixels of each level (inside the tile regions, which the tiles' regions then cover).
 """
 
 from __future__ import annotations
@@ -31,7 +37,16 @@ from detector.ops.blocks import BlockParams, calc_block_params, pair
 
 __all__ = [
     "ConvSpec", "Level", "ChainGeometry", "chain_geometry", "LevelMasks", "BlockSpan", "level_masks", "zero_pixels",
+    "mask_at_stride",
 ]
+
+
+def mask_at_stride(mask: torch.Tensor, r: int) -> torch.Tensor:
+    """A unit's mask ``[N, 1, H, W]`` at a level ``r`` times coarser: max-pooled by ``r`` (ceil mode), the map size of a
+    ``k = 2p + 1`` convolution of stride ``r`` (``ceil(H / r)``). The identity for ``r = 1``."""
+    if r == 1:
+        return mask
+    return torch.nn.functional.max_pool2d(mask, kernel_size=r, stride=r, ceil_mode=True)
 
 
 @dataclass(frozen=True)
@@ -51,6 +66,7 @@ class Level:
     offset: tuple[int, int]  # P_i: block start before the tile region
     region: tuple[int, int]  # R_i: tile region size
     map_size: tuple[int, int]  # H_i, W_i: the dense twin's map at this level
+    stride: int = 1  # r_i: the level's stride from the chain's input (its mask: mask_at_stride(M, r_i))
 
 
 @dataclass(frozen=True)
@@ -59,6 +75,7 @@ class ChainGeometry:
 
     block: BlockParams
     levels: tuple[Level, ...]  # L + 1 levels: input, after conv_0, ..., output
+    select: BlockParams  # the tiles on the output map (window = tile, no halo): which tiles the mask activates
 
     @property
     def tile(self) -> tuple[int, int]:
@@ -98,6 +115,7 @@ def chain_geometry(H: int, W: int, convs: tuple[ConvSpec, ...], tile: int | tupl
             offset=off[i],
             region=(th * S // strides[i], tw * S // strides[i]),
             map_size=sizes[i],
+            stride=strides[i],
         )
         for i in range(len(convs) + 1)
     )
@@ -108,7 +126,8 @@ def chain_geometry(H: int, W: int, convs: tuple[ConvSpec, ...], tile: int | tupl
             f"unit geometry mismatch: sparse output map {block.out_size} != dense output map {sizes[-1]} "
             "(each convolution's padding must be at most (ksize - 1) // 2)"
         )
-    return ChainGeometry(block=block, levels=levels)
+    select = calc_block_params(*sizes[-1], bsize=(th, tw), ksize=1, stride=1, padding=0)
+    return ChainGeometry(block=block, levels=levels, select=select)
 
 
 def _axis_valid(start: torch.Tensor, length: int, limit: int) -> torch.Tensor:
@@ -139,15 +158,15 @@ class LevelMasks:
 
     ``outside``: the block pixels outside the level's map, as indices into the ``[K * e_h * e_w]`` block
     pixels in (block, row, column) order, or None when every pixel of every block is inside it.
-    ``region``: the in-map tile-region pixels as indices into the ``[K * R_h * R_w]`` region pixels in
-    (block, row, column) order, or None when all are in the map. ``count``: number of in-map tile-region
-    pixels. Given as values, or (:func:`level_masks`) built from the blocks on first use: ``outside`` is
-    read only before a ``k > 1`` convolution, ``region`` and ``count`` only by batch statistics, and
+    ``region``: the tile-region pixels that batch statistics count - those of the level's mask (in the map) - as
+    indices into the ``[K * R_h * R_w]`` region pixels in (block, row, column) order, or None when all are counted.
+    ``count``: their number. Given as values, or (:func:`level_masks`) built from the blocks on first use:
+    ``outside`` is read only before a ``k > 1`` convolution, ``region`` and ``count`` only by batch statistics, and
     building one costs a few small kernels and a host sync or two.
     """
 
     def __init__(self, outside: torch.Tensor | None = None, region: torch.Tensor | None = None, count: int = 0,
-                 *, blocks: tuple[torch.Tensor, Level, BlockSpan | None] | None = None) -> None:
+                 *, blocks: tuple[torch.Tensor, Level, BlockSpan | None, torch.Tensor] | None = None) -> None:
         self._blocks = blocks
         self._outside = None if blocks is not None else (outside,)
         self._region = None if blocks is not None else (region, count)
@@ -155,7 +174,7 @@ class LevelMasks:
     @property
     def outside(self) -> torch.Tensor | None:
         if self._outside is None:
-            self._outside = (_outside_pixels(*self._blocks),)
+            self._outside = (_outside_pixels(*self._blocks[:3]),)
         return self._outside[0]
 
     @property
@@ -181,29 +200,39 @@ def _outside_pixels(indices: torch.Tensor, level: Level, span: BlockSpan | None)
     return (~(vy[:, :, None] & vx[:, None, :])).reshape(-1).nonzero().flatten()
 
 
-def _region_pixels(indices: torch.Tensor, level: Level, span: BlockSpan | None) -> tuple[torch.Tensor | None, int]:
-    (rh, rw), (H, W) = level.region, level.map_size
-    if span is not None and span.by_max * rh + rh <= H and span.bx_max * rw + rw <= W:
-        return None, int(indices.shape[0]) * rh * rw
-    ry = _axis_valid(indices[:, 1].long() * rh, rh, H)  # only the bottom/right map border can clip a tile region
-    rx = _axis_valid(indices[:, 2].long() * rw, rw, W)
-    region = (ry[:, :, None] & rx[:, None, :]).reshape(-1).nonzero().flatten()
-    traced = torch.compiler.is_compiling()
-    return region, region.shape[0] if traced else int((ry.sum(1) * rx.sum(1)).sum())
+def region_mask(indices: torch.Tensor, level: Level, mask: torch.Tensor) -> torch.Tensor:
+    """``[K, 1, R_h, R_w]``: the level's mask ``mask [N, 1, H_l, W_l]`` at each block's tile region (0 past the map):
+    the pixels batch statistics count."""
+    from detector.ops import sparse_gather
+
+    bp = calc_block_params(*level.map_size, bsize=level.region, ksize=1, stride=1, padding=0)
+    return sparse_gather(mask, indices, bp)
 
 
-def level_masks(indices: torch.Tensor, level: Level, span: BlockSpan | None = None) -> LevelMasks:
-    """Validity masks of the blocks at ``indices`` ([K, 3] rows n, by, bx) at ``level``, each built on first use.
+def _region_pixels(indices: torch.Tensor, level: Level, span: BlockSpan | None, mask: torch.Tensor
+                   ) -> tuple[torch.Tensor | None, int]:
+    on = region_mask(indices, level, mask).reshape(-1) > 0.5
+    region = on.nonzero().flatten()
+    if torch.compiler.is_compiling():
+        return region, region.shape[0]
+    count = int(region.shape[0])
+    return (None if count == on.numel() else region), count
+
+
+def level_masks(indices: torch.Tensor, level: Level, mask: torch.Tensor, span: BlockSpan | None = None
+                ) -> LevelMasks:
+    """Validity masks of the blocks at ``indices`` ([K, 3] rows n, by, bx) at ``level``, each built on first use;
+    ``mask``: the unit's mask at the level's resolution (what batch statistics count).
 
     ``span`` (from :meth:`BlockSpan.of`) lets the common case - no block near the map border - skip
-    building any mask. Traced (torch.compile / torch.export) there is no span (it costs a host sync): both
+    building the outside pixels. Traced (torch.compile / torch.export) there is no span (it costs a host sync): both
     masks are built at once from the indices, whatever K, and ``count`` is the region's (symbolic) length.
     """
     if torch.compiler.is_compiling():
-        return LevelMasks(_outside_pixels(indices, level, None), *_region_pixels(indices, level, None))
+        return LevelMasks(_outside_pixels(indices, level, None), *_region_pixels(indices, level, None, mask))
     if int(indices.shape[0]) == 0:
         return LevelMasks(outside=None, region=None, count=0)
-    return LevelMasks(blocks=(indices, level, BlockSpan.of(indices) if span is None else span))
+    return LevelMasks(blocks=(indices, level, BlockSpan.of(indices) if span is None else span, mask))
 
 
 def zero_pixels(t: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,6 @@ __all__ = [
     "list_batch_norm",
     "combine_moments",
     "scale_shift",
-    "check_count",
     "running_scale_shift",
     "update_running_stats",
     "needs_sync",
@@ -208,14 +207,6 @@ def scale_shift(
 def running_scale_shift(bn: nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scale, shift)`` of ``bn`` in eval mode (running statistics)."""
     return scale_shift(bn, bn.running_mean, bn.running_var)
-
-
-def check_count(bn_name: str, count: int) -> None:
-    """Training-mode BN needs more than one value per channel (as ``nn.BatchNorm2d`` demands)."""
-    if count <= 1:
-        raise ValueError(
-            f"{bn_name}: batch-norm in training mode needs more than 1 active pixel per channel, got {count}"
-        )
 
 
 def batch_norm_native(bn: nn.BatchNorm2d, z: torch.Tensor) -> torch.Tensor:

@@ -110,12 +110,12 @@ class Plan:
         return out
 
 
-def measure(name: str, setting: int | str, units: Sequence, x_shape: Sequence[int], mask_first: torch.Tensor | None,
-            mask_rest: torch.Tensor | None, candidates: Sequence[int], prune: tuple[CostModel, bool, str] | None = None
-            ) -> StageInput:
+def measure(name: str, setting: int | str, units: Sequence, x_shape: Sequence[int], mask_out: torch.Tensor | None,
+            candidates: Sequence[int], prune: tuple[CostModel, bool, str] | None = None) -> StageInput:
     """The plan input of one stage: active blocks per candidate tile (only the set tile for an int
-    setting; none for dense) on the stage's masks. ``units[0]`` sees ``mask_first`` at its input
-    resolution, ``units[1:]`` ``mask_rest`` at the first unit's output resolution.
+    setting; none for dense) on the stage's mask at its output resolution, ``mask_out``: every unit's tiles are
+    those whose output holds a pixel of it (the first unit's on its own output map, the others' on theirs, the
+    same map).
 
     ``prune`` (cost model, training, path): an ``auto`` stage where no candidate could beat dense even with no active
     block at all - a sparse stage's estimate only grows with its blocks - is not measured (no candidate, so
@@ -135,13 +135,8 @@ def measure(name: str, setting: int | str, units: Sequence, x_shape: Sequence[in
             tiles = []
     counts = []
     for t in tiles:
-        geo = first.geometry(H, W, t)
-        k1 = block_activity(mask_first, geo.block, tol=first.tol, avgpool=first.avgpool).sum()
-        kr = 0
-        if len(units) > 1:
-            geo_r = units[1].geometry(*rest_hw, t)
-            kr = block_activity(mask_rest, geo_r.block, tol=units[1].tol, avgpool=units[1].avgpool).sum()
-        counts.append((t, k1, kr))
+        k1 = block_activity(mask_out, first.geometry(H, W, t).select, tol=first.tol).sum()
+        counts.append((t, k1, k1 if len(units) > 1 else 0))  # the other units: the same tiles of the same map
     return StageInput(name, setting, tuple(units), (N, H, W), tuple(rest_hw), tuple(counts))
 
 

@@ -32,12 +32,12 @@ import time
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from detector.errors import ConfigError
 
 from .chain import ActiveBlocks, SparseConvChain
+from .geometry import mask_at_stride
 from .plan import AUTO, DENSE, Planner, StageInput, check_setting, measure
 
 __all__ = ["SparseResidualUnit", "SparseStage", "SparseResNet", "AUTO", "DENSE", "downsample_mask"]
@@ -64,7 +64,6 @@ class SparseResidualUnit(SparseConvChain):
         mid_channels: int | None = None,
         block_size: int | tuple[int, int] = 16,
         tol: float = 0.5,
-        avgpool: bool = False,
         memory_budget_mb: float = 1024.0,
     ) -> None:
         if stride not in (1, 2):
@@ -85,7 +84,6 @@ class SparseResidualUnit(SparseConvChain):
             shortcut="projection" if projection else "identity",
             block_size=block_size,
             tol=tol,
-            avgpool=avgpool,
             memory_budget_mb=memory_budget_mb,
             name=f"SparseResidualUnit({'bottleneck' if bottleneck else 'basic'}, "
             f"{in_channels}->{out_channels}, "
@@ -95,14 +93,15 @@ class SparseResidualUnit(SparseConvChain):
 
 def downsample_mask(mask: torch.Tensor) -> torch.Tensor:
     """Max-pool by 2 (ceil mode): the mask at a stride-2 unit's output resolution."""
-    return F.max_pool2d(mask, kernel_size=2, stride=2, ceil_mode=True)
+    return mask_at_stride(mask, 2)
 
 
 class SparseStage(nn.Module):
     """A list of units (or one conv chain) that share a block size and a mask resolution after the first.
 
-    :meth:`forward` runs the units sparse given a mask (dense with ``dense=True`` or no mask) and returns
-    the output and the mask at the output resolution (max-pooled after a stride-2 first unit).
+    :meth:`forward` runs the units on the stage's mask - sparse, or dense with ``dense=True`` (the same values: the
+    mask defines what each unit computes, :mod:`detector.nn.chain`) - and returns the output and the binary mask
+    at the output resolution (max-pooled after a stride-2 first unit); no mask: the dense network.
     """
 
     def __init__(self, units: Sequence[SparseConvChain]) -> None:
@@ -117,19 +116,25 @@ class SparseStage(nn.Module):
         self, x: torch.Tensor, mask: torch.Tensor | None, dense: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         first = self.units[0]
-        x_in = x
-        if mask is None or dense:
+        if mask is None:
             for u in self.units:
                 x = u(x)
-        else:
-            x = first(x, mask=mask)
-        if mask is not None and first.stride == 2:
-            mask = downsample_mask(mask)
-        if mask is not None and not dense and len(self.units) > 1:
-            blocks: ActiveBlocks = self.units[1].active_blocks(mask)
+            return x, None
+        m = first.binary(mask)
+        if dense:
+            x = first(x, mask=m, dense=True)
+            m = mask_at_stride(m, first.stride)
+            for u in self.units[1:]:
+                x = u(x, mask=m, dense=True)
+            return x, m
+        x_in = x
+        x = first(x, mask=m)
+        m = mask_at_stride(m, first.stride)
+        if len(self.units) > 1:
+            blocks: ActiveBlocks = self.units[1].active_blocks(m)
             for u in self.units[1:]:  # in place into the stage's own intermediates only (training too)
                 x = u(x, blocks=blocks, inplace=x is not x_in)
-        return x, mask
+        return x, m
 
 
 class SparseResNet(nn.Module):
@@ -229,10 +234,9 @@ class SparseResNet(nn.Module):
         out = []
         for name, stage, setting in zip(self.stage_names, self.stages, settings, strict=True):
             units = list(stage.units)
-            rest = downsample_mask(mask) if units[0].stride == 2 else mask
-            out.append(measure(name, setting, units, (N, H, W), mask, rest, self.planner.candidates, prune))
+            mask = mask_at_stride(mask, units[0].stride)  # the stage's mask at its output resolution
+            out.append(measure(name, setting, units, (N, H, W), mask, self.planner.candidates, prune))
             H, W = out[-1].rest_hw
-            mask = rest
         return out
 
     def extra_repr(self) -> str:

@@ -37,17 +37,19 @@ from .formulas import memory_format_of
 from .functional import _kernels_for, block_activity
 
 __all__ = ["BlockList", "reduce_mask_capacity", "capacity_buckets", "bucket_for", "scatter_padded",
-           "gather_tiles", "level_valid"]
+           "gather_tiles", "gather_windows", "level_valid"]
 
 
 @dataclass(frozen=True, eq=False)
 class BlockList:
     """A bounded list of active blocks (module docstring): ``indices`` int32 ``[capacity, 3]`` (valid, unique
-    rows of ``block``'s grid), ``count`` (int64 0-d, the active blocks, on the device)."""
+    rows of ``block``'s grid), ``count`` (int64 0-d, the active blocks, on the device); ``mask``: where on the
+    output map the blocks' tiles are written (``[N, 1, H', W']``, set where > 0.5; None: all of each tile)."""
 
     indices: torch.Tensor
     count: torch.Tensor
     block: BlockParams
+    mask: torch.Tensor | None = None
 
     @property
     def capacity(self) -> int:
@@ -57,6 +59,13 @@ class BlockList:
     def valid(self) -> torch.Tensor:
         """bool ``[capacity]``: whether row k is an active block (``k < count``)."""
         return torch.arange(self.capacity, device=self.indices.device) < self.count
+
+    def keep(self, tile: tuple[int, int]) -> torch.Tensor:
+        """bool ``[capacity, 1, th, tw]``: the tile pixels written - active rows, where :attr:`mask` is set."""
+        valid = self.valid.view(-1, 1, 1, 1)
+        if self.mask is None:
+            return valid
+        return valid & (gather_tiles(self.mask, self.indices, tile) > 0.5)
 
     @property
     def overflow(self) -> torch.Tensor:
@@ -112,16 +121,26 @@ def level_valid(indices: torch.Tensor, mul: tuple[int, int], off: tuple[int, int
     return (vy[:, :, None] & vx[:, None, :]).unsqueeze(1)
 
 
-def gather_tiles(t: torch.Tensor, indices: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
-    """The map ``t``'s values at the output tiles of ``indices`` (``[K, C, th, tw]``, 0 past the map)."""
-    if _kernels_for(t.device):
-        return torch.ops.sbnet.sparse_gather(t, indices, list(tile), list(tile), [0, 0])
+def gather_windows(x: torch.Tensor, indices: torch.Tensor, extent: tuple[int, int],
+                   origin: tuple[tuple[int, int], tuple[int, int]]) -> torch.Tensor:
+    """``[K, C, e_h, e_w]``: the map ``x``'s windows of ``extent`` at ``indices``, block ``(by, bx)``'s first pixel at
+    ``(by * mul_h - off_h, bx * mul_w - off_w)`` for ``origin = ((mul_h, mul_w), (off_h, off_w))`` (0 past the map)."""
+    (mh, mw), (fh, fw) = origin
+    if _kernels_for(x.device):
+        return torch.ops.sbnet.sparse_gather(x, indices, list(extent), [mh, mw], [-fh, -fw])
+    from dataclasses import replace
+
     from . import reference
     from .blocks import calc_block_params
 
-    bp = calc_block_params(t.shape[2], t.shape[3], bsize=tile, ksize=1, stride=1, padding=0)
-    bp = _tile_params(bp, tile)
-    return reference.sparse_gather(t, indices, bp)
+    bp = replace(calc_block_params(int(x.shape[2]), int(x.shape[3]), bsize=extent, ksize=1, stride=1, padding=0),
+                 bstride_h=mh, bstride_w=mw, boffset_h=-fh, boffset_w=-fw)
+    return reference.sparse_gather(x, indices, bp)
+
+
+def gather_tiles(t: torch.Tensor, indices: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
+    """The map ``t``'s values at the output tiles of ``indices`` (``[K, C, th, tw]``, 0 past the map)."""
+    return gather_windows(t, indices, tile, (tile, (0, 0)))
 
 
 def _tile_params(bp: BlockParams, tile: tuple[int, int]) -> BlockParams:
@@ -134,12 +153,12 @@ def _tile_params(bp: BlockParams, tile: tuple[int, int]) -> BlockParams:
 def scatter_padded(tiles: torch.Tensor, blist: BlockList, base: torch.Tensor, add: bool, relu: bool,
                    inplace: bool) -> torch.Tensor:
     """``sparse_scatter`` of ``tiles [capacity, C, th, tw]`` at ``blist``'s rows into ``base`` (a copy, or ``base``
-    itself with ``inplace``), padding rows inert: the map keeps its values there. The composition of the
-    existing kernels (no sync), differentiable when not in place.
+    itself with ``inplace``), padding rows and pixels outside the list's mask inert: the map keeps its values there.
+    The composition of the existing kernels (no sync), differentiable when not in place.
 
         old = base at the tiles
         new = relu?((old + tiles) if add else tiles)
-        base at the tiles = where(valid, new, old)
+        base at the tiles = where(keep, new, old)        keep: blist.keep(tile)
     """
     tile = (int(tiles.shape[2]), int(tiles.shape[3]))
     idx = blist.indices
@@ -147,14 +166,14 @@ def scatter_padded(tiles: torch.Tensor, blist: BlockList, base: torch.Tensor, ad
     if fmt is None:
         raise ValueError("scatter_padded: base must be NCHW-contiguous or channels-last")
     tiles = tiles.contiguous(memory_format=fmt)
-    valid = blist.valid.view(-1, 1, 1, 1)
+    keep = blist.keep(tile)
     if add and not relu:
-        new, add_flag = tiles * valid.to(tiles.dtype), True
+        new, add_flag = torch.where(keep, tiles, 0).contiguous(memory_format=fmt), True
     else:
         old = gather_tiles(base, idx, tile)
         new = old + tiles if add else tiles
         new = torch.relu(new) if relu else new
-        new, add_flag = torch.where(valid, new, old).contiguous(memory_format=fmt), False
+        new, add_flag = torch.where(keep, new, old).contiguous(memory_format=fmt), False
     if not _kernels_for(base.device):
         from . import reference
 

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from . import triton_blocks
-from .capacity import BlockList, gather_tiles, level_valid, scatter_padded
+from .capacity import BlockList, gather_tiles, gather_windows, level_valid, scatter_padded
 from .formulas import memory_format_of
 from .functional import _kernels_for
 
@@ -128,24 +128,10 @@ def _compare(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
 _FORCE: str | None = None  # the self check's own choice of path, over everything else
 
 
-def _gather(x: torch.Tensor, indices: torch.Tensor, extent: tuple[int, int], origin: Origin) -> torch.Tensor:
-    (mh, mw), (fh, fw) = origin
-    if _kernels_for(x.device):
-        return torch.ops.sbnet.sparse_gather(x, indices, list(extent), [mh, mw], [-fh, -fw])
-    from dataclasses import replace
-
-    from . import reference
-    from .blocks import calc_block_params
-
-    bp = replace(calc_block_params(int(x.shape[2]), int(x.shape[3]), bsize=extent, ksize=1, stride=1, padding=0),
-                 bstride_h=mh, bstride_w=mw, boffset_h=-fh, boffset_w=-fw)
-    return reference.sparse_gather(x, indices, bp)
-
-
 def _conv_blocks_torch(src, blist, weight, bias, stride, origin, extent, pre, relu, zero):  # noqa: ANN001, ANN202
     idx = blist.indices
     if origin is not None:
-        a = _gather(src.contiguous(memory_format=memory_format_of(src) or torch.contiguous_format), idx, extent,
+        a = gather_windows(src.contiguous(memory_format=memory_format_of(src) or torch.contiguous_format), idx, extent,
                     origin)
         if pre is not None:
             dt = torch.promote_types(a.dtype, torch.float32)  # the affine in the opmath type, as the kernel does
@@ -268,9 +254,9 @@ class _FusedScatter(torch.autograd.Function):
         need_blocks, need_w, need_b, need_base, need_res = ctx.needs_input_grad[2:]
         fmt = memory_format_of(out) or torch.contiguous_format
         grad = grad.contiguous(memory_format=fmt)
-        valid = blist.valid.view(-1, 1, 1, 1)
+        written = blist.keep(tile)
         g = gather_tiles(grad, blist.indices, tile)
-        keep = valid & (gather_tiles(out, blist.indices, tile) > 0) if relu else valid
+        keep = written & (gather_tiles(out, blist.indices, tile) > 0) if relu else written
         g = torch.where(keep, g, 0).contiguous(memory_format=fmt)
         dblocks, dw, db = _conv_grads(g, blocks, weight, blist, 1, None, None, need_blocks, need_w, need_b)
         dbase = None
@@ -288,7 +274,7 @@ def _gather_grad(dwin: torch.Tensor, indices: torch.Tensor, x: torch.Tensor, ori
                                                       memory_format_of(x) == torch.channels_last)
     xs = torch.zeros_like(x).requires_grad_(True)
     with torch.enable_grad():
-        blocks = _gather(xs, indices, tuple(dwin.shape[2:]), origin)
+        blocks = gather_windows(xs, indices, tuple(dwin.shape[2:]), origin)
     return torch.autograd.grad(blocks, xs, dwin)[0]
 
 
@@ -362,7 +348,7 @@ def conv_scatter(blocks: torch.Tensor, blist: BlockList, weight: torch.Tensor, b
         dst = o if inplace and not grad else o.clone(memory_format=memory_format_of(o) or torch.contiguous_format)
         return triton_blocks.block_conv(bl, blist.indices, blist.count, w, b, dst, stride=1, in_map=False,
                                         relu=relu, tile=tile, residual=dst if _is_map(residual) else r,
-                                        residual_map=_is_map(residual))
+                                        residual_map=_is_map(residual), mask=blist.mask)
 
     if grad:
         return _FusedScatter.apply(fast, (blist, tile, relu, _is_map(residual)), blocks, weight, bias, out, res_t)

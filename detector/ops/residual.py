@@ -61,28 +61,28 @@ class _Gather(torch.autograd.Function):
 
 class _Scatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tiles, x, indices, tile, relu, inplace, link):  # noqa: ANN001, ANN205
+    def forward(ctx, tiles, x, indices, tile, relu, add, inplace, link):  # noqa: ANN001, ANN205
         if inplace:
-            torch.ops.sbnet.sparse_scatter_(tiles, indices, x, list(tile), [0, 0], True, relu)
+            torch.ops.sbnet.sparse_scatter_(tiles, indices, x, list(tile), [0, 0], add, relu)
             ctx.mark_dirty(x)
             out = x
         else:
-            out = torch.ops.sbnet.sparse_scatter(tiles, indices, x, list(tile), [0, 0], True, relu)
+            out = torch.ops.sbnet.sparse_scatter(tiles, indices, x, list(tile), [0, 0], add, relu)
         need = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         ctx.save_for_backward(indices, tiles_of(out, indices, tile) if relu and need else None)
-        ctx.args = (tile, relu, memory_format_of(out), link)
+        ctx.args = (tile, relu, add, memory_format_of(out), link)
         return out
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         indices, out_tiles = ctx.saved_tensors
-        tile, relu, fmt, link = ctx.args
+        tile, relu, add, fmt, link = ctx.args
         need_x = ctx.needs_input_grad[1]
-        gt, gx = scatter_backward(grad, indices, out_tiles, tile, True, relu, ctx.needs_input_grad[0], need_x, fmt)
+        gt, gx = scatter_backward(grad, indices, out_tiles, tile, add, relu, ctx.needs_input_grad[0], need_x, fmt)
         if need_x:
             # the gather's backward adds the block gradients into it: it must be a tensor of our own
             link.grad_x = gx.clone(memory_format=fmt) if gx is grad else gx
-        return gt, None, None, None, None, None, None
+        return gt, None, None, None, None, None, None, None
 
 
 class ResidualBlocks:
@@ -106,11 +106,13 @@ class ResidualBlocks:
             return sparse_gather(self.x, self.indices, self.bp)
         return _Gather.apply(self.x, self.indices, self.bp, self.link)
 
-    def scatter(self, tiles: torch.Tensor, relu: bool) -> torch.Tensor:
-        """``x`` with each tile added (``relu``: ``relu(x + tile)``), a copy or ``x`` itself (``inplace``)."""
+    def scatter(self, tiles: torch.Tensor, relu: bool, add: bool = True) -> torch.Tensor:
+        """``x`` with each tile added (``relu``: ``relu(x + tile)``; ``add=False``: the tile written over ``x``'s
+        values there), a copy or ``x`` itself (``inplace``)."""
         x, bp = self.x, self.bp
         if not self.fused or not (torch.is_grad_enabled() and (x.requires_grad or tiles.requires_grad)):
             op = sparse_scatter_ if self.inplace else sparse_scatter
-            return op(tiles, self.indices, x, bp, add=True, relu=relu)
+            return op(tiles, self.indices, x, bp, add=add, relu=relu)
         tiles = tiles.contiguous(memory_format=memory_format_of(x))
-        return _Scatter.apply(tiles, x, self.indices, tuple(bp.obsize), bool(relu), self.inplace, self.link)
+        return _Scatter.apply(tiles, x, self.indices, tuple(bp.obsize), bool(relu), bool(add), self.inplace,
+                              self.link)

@@ -16,7 +16,8 @@ Its epilogue: ``+ bias`` (the folded batch norm's shift; the scale is folded int
   convolution), stored as ``[capacity, CO, OH, OW]``;
 - ``OUT_MAP``: the tile written into the output map at the block's place, clipped to the map, with the residual
   added first (``RES=1``: the map's own value there, the identity shortcut; ``RES=2``: a shortcut block tensor,
-  the projection) and ReLU after: the scatter fused into the last convolution.
+  the projection) and ReLU after: the scatter fused into the last convolution; ``MASKED``: only at the pixels of
+  the unit's mask (a ``[N, 1, H', W']`` map), the output map keeping its value elsewhere.
 
 Accumulation in float32 (float64 for float64 data). Under ``TRITON_INTERPRET=1`` the same kernel runs on CPU
 tensors (the tests); the interpreter's half-precision dot is upcast to float32 first. The kernel is decorated
@@ -112,12 +113,13 @@ def _kernel():
 
     def _block_conv(
         src, s_n, s_c, s_h, s_w, idx, cnt, w, bias, pre_s, pre_t,
-        res, r_n, r_c, r_h, r_w, out, o_n, o_c, o_h, o_w,
+        res, r_n, r_c, r_h, r_w, out, o_n, o_c, o_h, o_w, msk, m_n, m_h, m_w,
         CI, CO, SH, SW, OH, OW,
         in_mul_h, in_off_h, in_mul_w, in_off_w,
         z_mul_h, z_off_h, z_mul_w, z_off_w, ZH, ZW,
         KH: tl.constexpr, KW: tl.constexpr, STRIDE: tl.constexpr,
-        IN_MAP: tl.constexpr, PRE: tl.constexpr, OUT_MAP: tl.constexpr, RES: tl.constexpr, RELU: tl.constexpr,
+        IN_MAP: tl.constexpr, PRE: tl.constexpr, OUT_MAP: tl.constexpr, MASKED: tl.constexpr, RES: tl.constexpr,
+        RELU: tl.constexpr,
         ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, F64: tl.constexpr,
         PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, M_TILES: tl.constexpr,
     ):
@@ -173,7 +175,11 @@ def _kernel():
             if OUT_MAP:
                 py = by * OH + oy
                 px = bx * OW + ox
-                ok = (m_ok & (py < ZH) & (px < ZW))[:, None] & n_ok[None, :]
+                pix = m_ok & (py < ZH) & (px < ZW)
+                if MASKED:  # only the pixels of the unit's mask are written: the map keeps its value elsewhere
+                    mv = tl.load(msk + n * m_n + py * m_h + px * m_w, mask=pix, other=0.0)
+                    pix = pix & (mv > 0.5)
+                ok = pix[:, None] & n_ok[None, :]
                 if RES == 1:
                     r = tl.load(res + n * r_n + rn[None, :] * r_c + py[:, None] * r_h + px[:, None] * r_w, mask=ok,
                                 other=0.0)
@@ -214,9 +220,10 @@ def block_conv(src: torch.Tensor, indices: torch.Tensor, count: torch.Tensor, we
                pre: tuple[torch.Tensor, torch.Tensor] | None = None, relu: bool = False,
                zero: tuple[tuple[int, int], tuple[int, int], tuple[int, int]] | None = None,
                tile: tuple[int, int] | None = None, residual: torch.Tensor | None = None,
-               residual_map: bool = False) -> torch.Tensor:
+               residual_map: bool = False, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the kernel (module docstring); ``out`` is written and returned: blocks ``[capacity, CO, OH, OW]``,
-    or (``tile`` given) the map ``[N, CO, H', W']`` at each block's ``tile``-sized output tile.
+    or (``tile`` given) the map ``[N, CO, H', W']`` at each block's ``tile``-sized output tile - only where
+    ``mask [N, 1, H', W']`` (the unit's mask at the output) is set, when given.
 
     ``weight [CO, CI, KH, KW]`` (the BN scale folded in), ``bias [CO]`` or None; ``origin``: the block's first
     source pixel is ``(by * mul_h - off_h, bx * mul_w - off_w)`` for ``((mul_h, mul_w), (off_h, off_w))``;
@@ -233,6 +240,8 @@ def block_conv(src: torch.Tensor, indices: torch.Tensor, count: torch.Tensor, we
     ps, pt = (pre[0].to(acc).contiguous(), pre[1].to(acc).contiguous()) if pre is not None else (w, w)
     res = residual if residual is not None else out
     out_map = tile is not None
+    msk = mask if mask is not None and out_map else out  # an unused pointer when MASKED is false
+    ms = (msk.stride(0), msk.stride(2), msk.stride(3))
     oh, ow = tile if out_map else (int(out.shape[2]), int(out.shape[3]))
     (mh, mw), (fh, fw) = origin
     if out_map:
@@ -249,10 +258,11 @@ def block_conv(src: torch.Tensor, indices: torch.Tensor, count: torch.Tensor, we
     grid = (cap * m_tiles, -(-co // bn))
     _launch(
         _kernel(), grid, src, *src.stride(), indices, count, w, b, ps, pt,
-        res, *res.stride(), out, *out.stride(),
+        res, *res.stride(), out, *out.stride(), msk, *ms,
         ci, co, int(src.shape[2]), int(src.shape[3]), oh, ow,
         mh, fh, mw, fw, zmh, zfh, zmw, zfw, zh, zw,
         KH=kh, KW=kw, STRIDE=stride, IN_MAP=in_map, PRE=pre is not None, OUT_MAP=out_map,
+        MASKED=out_map and mask is not None,
         RES=0 if residual is None else (1 if residual_map else 2), RELU=relu, ZERO=zero is not None and not out_map,
         HAS_BIAS=bias is not None, UPCAST=f64, F64=f64, PREC=prec,
         BM=bm, BN=bn, BK=bk, M_TILES=m_tiles,

@@ -139,23 +139,26 @@ def test_sparse_and_dense_twin_agree_with_all_ones_mask():
 
 
 def test_sparse_equals_dense_where_the_receptive_field_is_active():
-    """With a road-like mask (an active band), head outputs whose receptive field lies inside the active
-    blocks equal the dense twin's; cells whose dense output does not move when the inactive region's
-    input changes are exactly those."""
+    """With a road-like mask (an active band), head outputs whose receptive field lies inside the mask equal the
+    dense twin's (every feature they read lies in the mask, where the units compute what the dense twin does); cells
+    whose dense output moves under none of three random changes of the input outside the mask are those."""
     model = _model().eval()
     batch = _batch(1)
     mask = torch.zeros(1, 1, GRID.H, GRID.W)
     mask[..., 16:112, :] = 1.0  # |y| < 9.6 m: a road along x
+    g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         bev = model.voxelize(batch)
         dense = model(batch, bev=bev)
-        noisy = bev.clone()
-        noisy[..., (mask[0, 0] == 0)] += torch.rand_like(noisy[..., (mask[0, 0] == 0)])
-        moved = model(batch, bev=noisy)
+        safe = torch.ones_like(dense.heatmap[:, 0], dtype=torch.bool)
+        for _ in range(3):  # both signs, so that a unit dead (ReLU) under one change is alive under another
+            noisy = bev.clone()
+            out = mask[0, 0] == 0
+            noisy[..., out] += 3 * torch.randn(noisy[..., out].shape, generator=g)
+            safe &= (model(batch, bev=noisy).heatmap - dense.heatmap).abs().amax(1) == 0
         batch.mask = mask
         sparse = model(batch, bev=bev)
-    safe = (moved.heatmap - dense.heatmap).abs().amax(1) == 0  # outputs independent of the inactive input
-    assert safe.sum() > 0.1 * safe.numel()
+    assert safe.sum() > 0.05 * safe.numel()
     diff = (sparse.heatmap - dense.heatmap).abs().amax(1)
     assert diff[safe].max() < 1e-4
     rdiff = (sparse.regression - dense.regression).abs().amax(1)
@@ -257,13 +260,13 @@ def test_overfit_one_simulated_frame(sim_frame):
 
 
 def test_neck_and_head_run_sparse_given_a_mask():
-    """With a mask, the 1/4-resolution neck conv and the head tower only compute the mask's active tiles:
-    their outputs are zero on tiles far from it, equal to the dense twin's where the receptive field is
-    active, and without a mask (the dense twin) they run everywhere."""
+    """With a mask, the 1/4-resolution neck conv and the head tower compute the mask's pixels only (the mask
+    max-pooled to their resolution): their outputs are zero everywhere else and not in the mask; without a mask
+    (the dense twin) they run everywhere."""
     model = _model(head_block=8).eval()
     batch = _batch(1)
     mask = torch.zeros(1, 1, GRID.H, GRID.W)
-    mask[..., 40:72, 40:72] = 1.0  # one 3.2 m square: rows/cols 10..17 at 1/4, tiles 8..23 active
+    mask[..., 40:72, 40:72] = 1.0  # one 3.2 m square: rows/cols 10..17 at 1/4
     seen = {}
     model.head.tower.register_forward_hook(lambda m, i, o: seen.__setitem__("tower", o))
     model.neck.smooth[0].register_forward_hook(lambda m, i, o: seen.__setitem__("neck", o))
@@ -273,10 +276,10 @@ def test_neck_and_head_run_sparse_given_a_mask():
         batch.mask = mask
         model(batch)
     h, w = dense_tower.shape[-2:]
-    far = torch.ones(h, w, dtype=torch.bool)
-    far[8:24, 8:24] = False
+    inside = torch.zeros(h, w, dtype=torch.bool)
+    inside[10:18, 10:18] = True
     for name, dense in (("tower", dense_tower), ("neck", dense_neck)):
         out = seen[name]
-        assert out[..., far].abs().max() == 0, name
-        assert dense[..., far].abs().max() > 0, name  # the dense twin computes there
-        torch.testing.assert_close(out[..., 12:16, 12:16], dense[..., 12:16, 12:16], rtol=1e-4, atol=1e-4)
+        assert out[..., ~inside].abs().max() == 0, name
+        assert (out[..., inside].abs().amax((0, 1)) > 0).float().mean() > 0.5, name  # computed in the mask
+        assert dense[..., ~inside].abs().max() > 0, name  # the dense twin computes everywhere

@@ -86,12 +86,17 @@ def test_mask_wiring_matches_unit_by_unit_composition():
     torch.testing.assert_close(feats[1], y, atol=0, rtol=0)
 
 
-def test_block_size_dense_stage_equals_dense():
-    net = make_net(block_size=[DENSE, DENSE, DENSE]).eval()
+def test_block_size_dense_stages_compute_the_masked_function():
+    """Stages run dense apply the same mask as stages run sparse: every mix of dense and tiles gives the same
+    features (and not the unmasked network's)."""
     x = torch.randn(N, CIN, H, W, dtype=torch.float64)
     mask = (torch.rand(N, 1, H, W) > 0.9).double()
-    for a, b in zip(net(x, mask), net(x), strict=True):
-        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    want = make_net(block_size=4).eval()(x, mask)
+    for sizes in ([DENSE, DENSE, DENSE], [DENSE, 4, DENSE], [8, DENSE, 2]):
+        for a, b in zip(make_net(block_size=sizes).eval()(x, mask), want, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-12, rtol=0, msg=str(sizes))
+    unmasked = make_net(block_size=[DENSE, DENSE, DENSE]).eval()(x)
+    assert not torch.allclose(unmasked[-1], want[-1])
 
 
 def _cost(unit_s: float) -> CostModel:

@@ -49,14 +49,14 @@ def test_choice_follows_the_cost_rule():
     units = conv_stage()
     ones, one_px = torch.ones(1, 1, 64, 64), torch.zeros(1, 1, 64, 64)
     one_px[0, 0, 30, 30] = 1
-    inp_all = measure("conv", "auto", units, (1, 64, 64), ones, None, (8, 16))
-    inp_px = measure("conv", "auto", units, (1, 64, 64), one_px, None, (8, 16))
+    inp_all = measure("conv", "auto", units, (1, 64, 64), ones, (8, 16))
+    inp_px = measure("conv", "auto", units, (1, 64, 64), one_px, (8, 16))
     assert settle([inp_all])[0].counts == ((8, 64, 0), (16, 16, 0))
     assert settle([inp_px])[0].counts == ((8, 1, 0), (16, 1, 0))
     assert choose([inp_all], flat_cost(), training=False).choices == (DENSE,)
     assert choose([inp_px], flat_cost(), training=False).choices == (8,)
     assert choose([inp_px], flat_cost(unit_s=1.0), training=True).choices == (DENSE,)
-    fixed = measure("conv", 16, units, (1, 64, 64), ones, None, (8, 16))  # a set tile is kept, costs or not
+    fixed = measure("conv", 16, units, (1, 64, 64), ones, (8, 16))  # a set tile is kept, costs or not
     assert choose([fixed], flat_cost(), training=False).choices == (16,)
 
 
@@ -94,15 +94,15 @@ def test_a_stage_no_count_could_make_sparse_is_not_measured(monkeypatch):
     one_px = torch.zeros(1, 1, 64, 64)
     one_px[0, 0, 30, 30] = 1
     costly = flat_cost(unit_s=1.0)
-    full = measure("conv", "auto", units, (1, 64, 64), one_px, None, (8, 16))
+    full = measure("conv", "auto", units, (1, 64, 64), one_px, (8, 16))
     assert len(calls) == 2
-    pruned = measure("conv", "auto", units, (1, 64, 64), one_px, None, (8, 16), prune=(costly, True))
+    pruned = measure("conv", "auto", units, (1, 64, 64), one_px, (8, 16), prune=(costly, True))
     assert len(calls) == 2 and pruned.counts == ()  # nothing measured
     assert choose([pruned], costly, training=True).choices == choose([full], costly, training=True).choices == (DENSE,)
-    kept = measure("conv", "auto", units, (1, 64, 64), one_px, None, (8, 16), prune=(flat_cost(), False))
+    kept = measure("conv", "auto", units, (1, 64, 64), one_px, (8, 16), prune=(flat_cost(), False))
     assert len(calls) == 4 and settle([kept])[0].counts == settle([full])[0].counts
     assert choose([kept], flat_cost(), training=False).choices == (8,)
-    fixed = measure("conv", 16, units, (1, 64, 64), one_px, None, (8, 16), prune=(costly, True))  # a set tile
+    fixed = measure("conv", 16, units, (1, 64, 64), one_px, (8, 16), prune=(costly, True))  # a set tile
     assert settle([fixed])[0].counts == ((16, 1, 0),)
 
 
@@ -118,7 +118,7 @@ def test_mac_counts_and_bound_follow_the_halo_rule():
     assert cost_mod.sparse_macs(two, 64, 64, 8, 1) == 10 * 10 * 8 * 8 * 9 + 8 * 8 * 8 * 16 * 9 + 8 * 8 * 8 * 16
     one_px = torch.zeros(1, 1, 64, 64)
     one_px[0, 0, 30, 30] = 1
-    inp = measure("conv", "auto", [one], (1, 64, 64), one_px, None, (8, 16))
+    inp = measure("conv", "auto", [one], (1, 64, 64), one_px, (8, 16))
     plan = choose([inp], flat_cost(unit_s=1.0), training=False)  # the fixed cost makes dense the choice
     assert plan.choices == (DENSE,) and plan.mac_ratio() == 1.0
     assert plan.mac_bound() == pytest.approx((8 * 8) / (64 * 64))  # one 8-px tile of 64 x 64

@@ -1,16 +1,16 @@
 """Sparse residual units vs their dense twins (detector.nn.resnet / detector.nn.chain).
 
-What is exactly comparable:
-- all-ones mask: the whole output, the running statistics and every gradient equal the dense unit's,
-  in eval and in training mode (tile regions partition every level's map, so masked BN statistics are
-  the dense statistics);
-- a random block set, eval mode: on active output tiles the output equals the dense output; and with
-  a loss restricted to active tiles, the weight and input gradients equal the dense twin's (the blocks
-  compute exactly the receptive field of their tiles, halo copies sum to the dense gradient);
-- a random block set, training mode: BN statistics are taken over the active tiles only, so the
-  reference is the dense network with BN statistics over the same pixels (``dense_oracle`` below,
-  written from the formulas); outputs on active tiles, running statistics and gradients (loss on
-  active tiles) equal it. Inactive tiles keep ``x`` (identity shortcut) or are zero.
+The rule (DESIGN.md, "The mask defines the function"): given a binary mask ``M`` at the unit's input resolution
+and ``M_out`` (``M`` max-pooled by the stride, ceil mode) at its output's, the unit computes
+``where(M_out, unit(x), x)`` (identity shortcut) or ``where(M_out, unit(x), 0)`` (projection, none), ``unit`` being
+the dense twin, whose training-mode batch norms take the statistics of their level's mask pixels (``M``
+max-pooled by the level's stride). So:
+
+- all-ones mask: the whole output, the running statistics and every gradient equal the dense unit's, in eval and
+  in training mode;
+- any mask: the output, every gradient and the running statistics equal ``dense_oracle`` below (written from the
+  formulas: convolutions with zero padding, BN over the masked pixels, ReLU, shortcut, then the mask) - for every
+  tile size and for the unit run dense with ``dense=True``: the tiles decide the time, never the values.
 Everything in float64 so that the only differences are summation order.
 """
 
@@ -24,7 +24,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from detector.nn.chain import ActiveBlocks
 from detector.nn.geometry import chain_geometry
 from detector.nn.resnet import SparseResidualUnit
 
@@ -68,44 +67,25 @@ def make_unit(v, block_size=4, seed=0, **kw) -> SparseResidualUnit:
     return u
 
 
-def random_blocks(u, N, H, W, frac=0.5, seed=1) -> ActiveBlocks:
-    """About ``frac`` of the unit's grid blocks, at least one active and one inactive."""
-    geo = u.geometry(H, W)
+def random_mask(n, h, w, frac=0.12, seed=1) -> torch.Tensor:
+    """[n, 1, h, w] float 0/1: scattered pixels and a 3x3 blob, so that tiles hold masked and unmasked pixels."""
     g = torch.Generator().manual_seed(seed)
-    total = N * geo.block.num_blocks
-    on = torch.rand(total, generator=g) < frac
-    on[0], on[-1] = True, False
-    lin = on.nonzero().flatten()
-    n, rest = lin // geo.block.num_blocks, lin % geo.block.num_blocks
-    idx = torch.stack([n, rest // geo.block.bcount_w, rest % geo.block.bcount_w], 1).to(torch.int32)
-    return ActiveBlocks(indices=idx, block=geo.block)
+    m = (torch.rand(n, 1, h, w, generator=g) < frac).double()
+    m[0, 0, 5:8, 2:5] = 1.0
+    return m
 
 
-def tile_mask(
-    blocks: ActiveBlocks, N: int, level_region: tuple[int, int], size: tuple[int, int]
-) -> torch.Tensor:
-    """[N, 1, h, w] float mask of the active tiles' regions at a level (region size per tile)."""
-    bp = blocks.block
-    grid = torch.zeros(N, bp.bcount_h, bp.bcount_w, dtype=torch.float64)
-    idx = blocks.indices.long()
-    grid[idx[:, 0], idx[:, 1], idx[:, 2]] = 1.0
-    m = grid.repeat_interleave(level_region[0], 1).repeat_interleave(level_region[1], 2)
-    return m[:, None, : size[0], : size[1]]
+def pooled(mask: torch.Tensor, r: int) -> torch.Tensor:
+    """The rule's mask at stride ``r``: max-pooled by ``r``, ceil mode."""
+    return mask if r == 1 else F.max_pool2d(mask, r, r, ceil_mode=True)
 
 
-def level_pixel_masks(u, blocks: ActiveBlocks, N: int, H: int, W: int) -> list[torch.Tensor]:
-    """Per level of the unit's chain: the active tiles' regions (``R_i = T * S / r_i``) in map pixels."""
-    T = blocks.block.obsize_h
-    S = u.stride
-    sizes, r, out = [(H, W)], [1], []
+def level_pixel_masks(u, mask: torch.Tensor) -> list[torch.Tensor]:
+    """Per level of the unit's chain (input, after each conv): the mask at the level's stride."""
+    r, out = 1, [mask]
     for c in u.convs:
-        h, w = sizes[-1]
-        k, s, p = c.kernel_size[0], c.stride[0], c.padding[0]
-        sizes.append(((h + 2 * p - k) // s + 1, (w + 2 * p - k) // s + 1))
-        r.append(r[-1] * s)
-    for size, ri in zip(sizes, r, strict=True):
-        R = T * S // ri
-        out.append(tile_mask(blocks, N, (R, R), size))
+        r *= c.stride[0]
+        out.append(pooled(mask, r))
     return out
 
 
@@ -125,7 +105,8 @@ def masked_bn(z, bn, pm, record):
 
 
 def dense_oracle(u, x, pms):
-    """The dense unit with BN statistics over ``pms[level]`` (None entries: all pixels).
+    """The unit's function with BN statistics over ``pms[level]`` (None entries: all pixels), the output kept where
+    ``pms[-1]`` is set (``x`` or 0 elsewhere; no masks: the dense unit).
 
     Written from the unit's definition: convs with zero padding, BN, ReLU, shortcut. Returns the output
     and the expected running statistics after the step.
@@ -148,6 +129,8 @@ def dense_oracle(u, x, pms):
                 a = F.relu(b)
         sc = x if u.shortcut == "identity" else masked_bn(conv(u.proj, x), u.proj_bn, pms[L], rec)
         out = F.relu(b + sc)
+    if pms[-1] is not None:
+        out = torch.where(pms[-1] > 0, out, x if u.shortcut == "identity" else torch.zeros_like(out))
     expected = {}
     for bn, mean, var, n in rec:
         f = bn.momentum
@@ -163,6 +146,8 @@ LAYOUTS = [
     "nchw",
     "nhwc",
 ]  # both layouts go through the compiled ops natively
+# the ways to run a unit: sparse at each tile size, and dense on the whole map
+RUNS = [2, 3, 4, 8, "dense"]
 
 
 def make_x(seed: int, layout: str, c: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,14 +159,12 @@ def make_x(seed: int, layout: str, c: int = 6) -> tuple[torch.Tensor, torch.Tens
     return x.clone().requires_grad_(True), x.clone().requires_grad_(True)
 
 
-def every_block(u) -> ActiveBlocks:
-    geo = u.geometry(H, W)
-    bp = geo.block
-    n, by, bx = torch.meshgrid(
-        torch.arange(N), torch.arange(bp.bcount_h), torch.arange(bp.bcount_w), indexing="ij"
-    )
-    idx = torch.stack([n.flatten(), by.flatten(), bx.flatten()], 1).to(torch.int32)
-    return ActiveBlocks(indices=idx, block=bp)
+def run(u, x, mask, how):
+    """The unit on ``mask`` executed as ``how``: a tile size (sparse) or 'dense'."""
+    if how == "dense":
+        return u(x, mask=mask, dense=True)
+    u.block_size = how
+    return u(x, mask=mask)
 
 
 # ------------------------------------------------------------------------------------- geometry
@@ -206,16 +189,19 @@ def test_chain_geometry_known_answers(convs, tile, bsize, ksize, stride, padding
     assert bp.out_size == geo.levels[-1].map_size
 
 
+@pytest.mark.parametrize("tile", [2, 3, 4, 8])
 @pytest.mark.parametrize("v", VARIANTS, ids=vid)
-def test_tile_regions_partition_every_level(v):
-    from detector.nn.geometry import level_masks
-
-    u = make_unit(v)
-    blocks = every_block(u)
-    geo = u.geometry(H, W)
-    for lv in geo.levels:
-        m = level_masks(blocks.indices, lv)
-        assert m.count == N * lv.map_size[0] * lv.map_size[1]
+def test_the_tiles_count_every_mask_pixel_of_every_level(v, tile):
+    """The active tiles' regions hold every pixel of the mask at every level (so the statistics count all of them,
+    once): the level's count is the mask's pixels there; an all-ones mask counts the whole map."""
+    u = make_unit(v, block_size=tile)
+    for mask in (torch.ones(N, 1, H, W, dtype=torch.float64), random_mask(N, H, W, seed=2)):
+        blocks = u.active_blocks(mask)
+        geo = u.geometry(H, W)
+        for lv, pm in zip(geo.levels, level_pixel_masks(u, mask), strict=True):
+            (m,) = blocks.level_masks([lv])
+            assert tuple(pm.shape[2:]) == lv.map_size
+            assert m.count == int(pm.sum())
 
 
 # ------------------------------------------------------------------------- all-ones equals dense
@@ -243,57 +229,36 @@ def test_all_ones_mask_equals_dense(v, train, layout):
         assert int(u.bns[0].num_batches_tracked) == 1
 
 
-# ------------------------------------------------------------------ random blocks, eval mode
+# ------------------------------------------------------------- a mask, every way of running it
 @pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
 @pytest.mark.parametrize("v", VARIANTS, ids=vid)
-def test_random_blocks_eval_active_tiles_and_gradients(v, layout):
-    u = make_unit(v).eval()
-    twin = copy.deepcopy(u)
-    blocks = random_blocks(u, N, H, W)
-    x, xd = make_x(3, layout)
-    ys = u(x, blocks=blocks)
-    yd = twin(xd)
-    Ho, Wo = yd.shape[2:]
-    T = blocks.block.obsize_h
-    act = tile_mask(blocks, N, (T, T), (Ho, Wo))
-    assert 0 < act.mean() < 1
-    torch.testing.assert_close(ys * act, yd * act, atol=ATOL, rtol=0)
-    inactive_expected = x.detach() if u.shortcut == "identity" else torch.zeros_like(yd)
-    torch.testing.assert_close(ys.detach() * (1 - act), inactive_expected * (1 - act), atol=0, rtol=0)
-    # a loss on active tiles only: identical gradients for every weight and for the input
-    g = torch.randn_like(yd) * act
-    ys.backward(g)
-    yd.backward(g)
-    torch.testing.assert_close(x.grad, xd.grad, atol=ATOL, rtol=0)
-    for (name, p), pd in zip(u.named_parameters(), twin.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, pd.grad, atol=ATOL, rtol=0, msg=name)
-
-
-# ---------------------------------------------------------------- random blocks, training mode
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("v", VARIANTS, ids=vid)
-def test_random_blocks_train_matches_masked_bn_oracle(v, layout):
-    u = make_unit(v).train()
-    ref = copy.deepcopy(u)
-    blocks = random_blocks(u, N, H, W, seed=5)
-    x, xd = make_x(4, layout)
-    pms = level_pixel_masks(u, blocks, N, H, W)
-    yo, expected = dense_oracle(ref, xd, pms)
-    ys = u(x, blocks=blocks)
-    act = pms[-1]
-    assert 0 < act.mean() < 1
-    torch.testing.assert_close(ys * act, yo * act, atol=ATOL, rtol=0)
-    g = torch.randn_like(yo) * act
-    ys.backward(g)
+def test_masked_unit_equals_the_oracle_whatever_the_tiles(v, train, layout):
+    """Output, input and weight gradients and running statistics equal the oracle's, at every tile size and run
+    dense: the same function every way."""
+    mask = random_mask(N, H, W, seed=5)
+    ref = make_unit(v).train(train)
+    x_ref = make_x(4, layout)[0]
+    yo, expected = dense_oracle(ref, x_ref, level_pixel_masks(ref, mask))
+    g = torch.randn_like(yo)
     yo.backward(g)
-    torch.testing.assert_close(x.grad, xd.grad, atol=ATOL, rtol=0)
-    for (name, p), pd in zip(u.named_parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, pd.grad, atol=ATOL, rtol=0, msg=name)
-    for bn, bn_ref in zip(u.slots, ref.slots, strict=True):
-        rm, rv = expected[id(bn_ref)]
-        torch.testing.assert_close(bn.running_mean, rm, atol=ATOL, rtol=0)
-        torch.testing.assert_close(bn.running_var, rv, atol=ATOL, rtol=0)
-        assert int(bn.num_batches_tracked) == 1
+    keep = pooled(mask, ref.stride)
+    assert 0 < keep.mean() < 1
+    for how in RUNS:
+        u = make_unit(v).train(train)
+        x = make_x(4, layout)[0]
+        ys = run(u, x, mask, how)
+        torch.testing.assert_close(ys, yo, atol=ATOL, rtol=0, msg=f"output, {how}")
+        ys.backward(g)
+        torch.testing.assert_close(x.grad, x_ref.grad, atol=ATOL, rtol=0, msg=f"input gradient, {how}")
+        for (name, p), pr in zip(u.named_parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, pr.grad, atol=ATOL, rtol=0, msg=f"{name}, {how}")
+        for bn, bn_ref in zip(u.slots, ref.slots, strict=True):
+            if train:
+                rm, rv = expected[id(bn_ref)]
+                torch.testing.assert_close(bn.running_mean, rm, atol=ATOL, rtol=0, msg=f"running mean, {how}")
+                torch.testing.assert_close(bn.running_var, rv, atol=ATOL, rtol=0, msg=f"running var, {how}")
+                assert int(bn.num_batches_tracked) == 1
 
 
 def test_oracle_with_all_pixels_is_the_dense_unit():
@@ -305,16 +270,22 @@ def test_oracle_with_all_pixels_is_the_dense_unit():
         torch.testing.assert_close(yo, u(x), atol=ATOL, rtol=0)
 
 
-def test_mask_path_uses_reduce_mask_semantics():
-    """A single active input pixel activates exactly the tiles whose receptive field contains it."""
-    v = (True, False, 1, False)
+@pytest.mark.parametrize("stride", [1, 2])
+def test_one_mask_pixel_activates_the_one_tile_that_holds_it(stride):
+    """A tile is active if its output holds a pixel of the mask at the output resolution - not if only its halo or
+    receptive field touches the mask - and the unit changes that one output pixel only."""
+    v = (True, False, stride, stride == 2)
     u = make_unit(v, block_size=4).eval()
     mask = torch.zeros(1, 1, H, W, dtype=torch.float64)
-    mask[0, 0, 4, 4] = 1.0  # bottleneck stride 1: halo 1, so tiles rows 0-3 and 4-7 both see row 4
+    mask[0, 0, 4, 4] = 1.0  # output pixel (4, 4) at stride 1 (tile (1, 1)), (2, 2) at stride 2 (tile (0, 0))
     blocks = u.active_blocks(mask)
-    assert blocks.indices.tolist() == [[0, 0, 0], [0, 0, 1], [0, 1, 0], [0, 1, 1]]
+    assert blocks.indices.tolist() == ([[0, 1, 1]] if stride == 1 else [[0, 0, 0]])
     x = torch.randn(1, 6, H, W, dtype=torch.float64)
-    torch.testing.assert_close(u(x, mask=mask), u(x, blocks=blocks), atol=0, rtol=0)
+    y = u(x, mask=mask)
+    torch.testing.assert_close(y, u(x, blocks=blocks), atol=0, rtol=0)
+    base = x if u.shortcut == "identity" else torch.zeros_like(y)
+    changed = (y != base).any(1)[0].nonzero().tolist()
+    assert changed == ([[4, 4]] if stride == 1 else [[2, 2]])
 
 
 # -------------------------------------------------------------------------------- chunking
@@ -326,7 +297,7 @@ def test_chunked_equals_unchunked(v, train, layout):
     small = copy.deepcopy(u)
     geo = u.geometry(H, W)
     small.memory_budget_mb = 3.5 * small.block_bytes(geo, 8) / 2**20  # three blocks per chunk
-    blocks = random_blocks(u, N, H, W, frac=0.8, seed=7)
+    blocks = u.active_blocks(random_mask(N, H, W, frac=0.5, seed=7))
     assert small.chunk_blocks(geo, 8) == 3 and blocks.count > 3  # at least two chunks
     x, x2 = make_x(8, layout)
     y1 = u(x, blocks=blocks)
@@ -385,7 +356,7 @@ def test_gradcheck_whole_unit(v, layout):
         .train()
     )
     h, w = 7, 6
-    blocks = random_blocks(u, 1, h, w, frac=0.6, seed=3)
+    blocks = u.active_blocks(random_mask(1, h, w, frac=0.3, seed=3)[:, :, :h, :w])
     x = torch.randn(1, 3, h, w, dtype=torch.float64)
     if layout == "nhwc":
         x = x.contiguous(memory_format=torch.channels_last)
@@ -414,7 +385,7 @@ def test_deterministic_bit_identical(v, layout):
             if layout == "nhwc":
                 x = x.contiguous(memory_format=torch.channels_last)
             x.requires_grad_(True)
-            blocks = random_blocks(u, N, H, W, seed=13)
+            blocks = u.active_blocks(random_mask(N, H, W, seed=13).float())
             y = u(x, blocks=blocks)
             y.backward(torch.ones_like(y))
             results.append([y.detach(), x.grad] + [p.grad for p in u.parameters()] + list(u.buffers()))
@@ -433,7 +404,8 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="mask must be"):
         u(x, mask=torch.ones(N, 1, H + 1, W))
     with pytest.raises(ValueError, match="another geometry"):
-        u(x, blocks=every_block(make_unit((False, False, 1, False))))
+        other = make_unit((False, False, 1, False))
+        u(x, blocks=other.active_blocks(torch.ones(N, 1, H, W, dtype=torch.float64)))
     with pytest.raises(ValueError, match="identity shortcut needs stride 1"):
         SparseResidualUnit(6, 8, stride=1, projection=False)
     with pytest.raises(ValueError, match="stride must be 1 or 2"):
@@ -446,7 +418,7 @@ def test_bad_inputs_raise_clear_errors():
 @pytest.mark.parametrize("v", [VARIANTS[0], VARIANTS[6]], ids=vid)
 def test_inplace_inference_writes_into_x(v, layout):
     u = make_unit(v).eval()
-    blocks = random_blocks(u, N, H, W)
+    blocks = u.active_blocks(random_mask(N, H, W))
     x = make_x(9, layout)[0].detach()
     x0 = x.clone()
     with torch.no_grad():
@@ -483,7 +455,7 @@ def test_inplace_training_equals_copying_training(v, layout):
     runs = []
     for inplace in (False, True):
         u = make_unit(v).train()
-        blocks = random_blocks(u, N, H, W)
+        blocks = u.active_blocks(random_mask(N, H, W))
         x, _ = make_x(10, layout)
         owned = x * 1.0  # what the previous unit of a stage hands over
         y = u(owned, blocks=blocks, inplace=inplace)
