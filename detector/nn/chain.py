@@ -397,17 +397,18 @@ class SparseConvChain(nn.Module):
         if identity:  # one gather, the tiles combined into x (or a copy)
             residual = ResidualBlocks(x, idx, geo.block, inplace=inplace and not (x.is_leaf and x.requires_grad))
             xb = residual.gather()
+            # the map keeps its dtype (under autocast the tiles may come out in a lower precision)
             if self.preact:  # x + tile where the mask is set
                 z, new = BlockPass(self, geo, masks[0], known, collect=False).run(xb)
-                out = residual.scatter(torch.where(keep, z, 0), relu=False)
+                out = residual.scatter(torch.where(keep, z, 0).to(x.dtype), relu=False)
             else:  # relu(x + tile) where the mask is set, x elsewhere: the tiles overwrite
                 b, new = BlockPass(self, geo, masks[0], known, collect=False).run(xb, skip_identity=True)
                 (p0h, p0w), (th, tw) = geo.levels[0].offset, geo.tile
                 xt = xb[:, :, p0h : p0h + th, p0w : p0w + tw]
-                out = residual.scatter(torch.where(keep, torch.relu(xt + b), xt), relu=False, add=False)
+                out = residual.scatter(torch.where(keep, torch.relu(xt + b), xt).to(x.dtype), relu=False, add=False)
         else:  # tiles written into a fresh zero map
             tiles, new = BlockPass(self, geo, masks[0], known, collect=False).run(sparse_gather(x, idx, geo.block))
-            out = sparse_scatter_(torch.where(keep, tiles, 0), idx, base, geo.block, add=False)
+            out = sparse_scatter_(torch.where(keep, tiles, 0).to(base.dtype), idx, base, geo.block, add=False)
         for j, m in new.items():
             update_running_stats(self.slots[j], m)
         return out

@@ -136,6 +136,8 @@ class _RegionBatchNorm(torch.autograd.Function):
         z, weight, mean, inv = ctx.saved_tensors
         level, masks = ctx.level, ctx.masks
         n = float(masks.count)
+        dt = torch.promote_types(g.dtype, z.dtype)  # under autocast y (float32) may be wider than z (bfloat16)
+        g, z = g.to(dt), z.to(dt)
         sums = region_sums(g, z, (0, 0), tuple(z.shape[2:]))  # over all of z's pixels, in float64
         sum_g = sums[0]
         sum_gx = sums[1] - mean.double() * sum_g  # sum g * (z - mean)

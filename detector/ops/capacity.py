@@ -165,7 +165,7 @@ def scatter_padded(tiles: torch.Tensor, blist: BlockList, base: torch.Tensor, ad
     fmt = memory_format_of(base)
     if fmt is None:
         raise ValueError("scatter_padded: base must be NCHW-contiguous or channels-last")
-    tiles = tiles.contiguous(memory_format=fmt)
+    tiles = tiles.to(base.dtype).contiguous(memory_format=fmt)  # the map's dtype (autocast: tiles may be lower)
     keep = blist.keep(tile)
     if add and not relu:
         new, add_flag = torch.where(keep, tiles, 0).contiguous(memory_format=fmt), True
