@@ -17,14 +17,14 @@ compiled by ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))
 a specialization on a map size (``% 16``) follows the recorded values, which a bigger grid or batch may set
 otherwise (the unit strides of a layout are the same on any grid).
 
-Cost: a compile takes about a second (ptxas included), and the full product of runs - every tile x layout x dtype x
-step of both configurations - launches several hundred distinct specializations, so ``make test`` records each
-configuration at the six runs of a pairwise covering array (every pair of values of tile, step, layout and dtype is
-in some run; the stages' third and later units, which repeat the second's launches, left out) and compiles, per
-target, a covering subset of what they launch: every kernel's every constexpr value, pointer types, unit-stride
-layout and (per pointer types) tile shape at least once. ``-m slow`` records the full product at the configured
-depths and compiles every specialization for both targets. Triton's cache goes to a folder of the test, never the
-user's home.
+Cost: a compile takes one to a few seconds of a CPU (ptxas included), and the full product of runs - every tile x
+layout x dtype x step of both configurations - launches several hundred distinct specializations, so ``make test``
+records each configuration at the six runs of a pairwise covering array (every pair of values of tile, step, layout
+and dtype is in some run; the stages' third and later units, which repeat the second's launches, left out) and
+compiles, per target, a covering subset of what they launch: every kernel's every constexpr value, pointer types,
+unit-stride layout and (per pointer types) tile shape at least once. ``-m slow`` records the full product at the
+configured depths and compiles every specialization for both targets. Triton's cache goes to a folder of the test,
+never the user's home.
 """
 
 from __future__ import annotations
@@ -282,7 +282,7 @@ def test_a_covering_subset_compiles(pairwise, arch, tmp_path, monkeypatch):
     _compile_all(subset, arch, tmp_path, monkeypatch)
 
 
-@pytest.mark.slow  # several hundred specializations per target, about a second each
+@pytest.mark.slow  # several hundred specializations per target, one to a few seconds each: tens of minutes
 @pytest.mark.parametrize("arch", sorted(SHARED_LIMIT))
 def test_every_specialization_compiles(full_product, pairwise, arch, tmp_path, monkeypatch):
     """Every specialization of every run of the GPU configurations, compiled for the architecture; the pairwise
