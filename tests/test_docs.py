@@ -33,6 +33,10 @@ _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 _BENCH = re.compile(r"benchmarks/[\w./-]*[\w/]")
 _COMMAND = re.compile(r"^(?:\.venv/bin/)?python3? (scripts/[\w/]+\.py)\b(.*)$")
 _INLINE = re.compile(r"(?<!`)`(?:\.venv/bin/)?(?:python3? )?(scripts/[\w/]+\.py)(\s[^`]*=[^`]*)`(?!`)")
+# an inline `python scripts/X.py` without arguments: the command run with its defaults
+_INLINE_BARE = re.compile(r"(?<!`)`(?:\.venv/bin/)?python3? (scripts/[\w/]+\.py)`(?!`)")
+_MAKE_CODE = re.compile(r"^(make [^#]*?)\s*(?:#\s.*)?$")
+_MAKE_INLINE = re.compile(r"(?<!`)`(make [^`]*)`(?!`)")
 
 
 def _rel(p: Path) -> str:
@@ -63,12 +67,23 @@ def _commands() -> list[tuple[str, str, list[str]]]:
         lines = [(m.group(1), re.split(r"\s+#\s", m.group(2), maxsplit=1)[0])
                  for m in map(_COMMAND.match, _code_lines(text)) if m]
         lines += [(m.group(1), m.group(2).replace("\n", " ")) for m in _INLINE.finditer(text)]
+        lines += [(m.group(1), "") for m in _INLINE_BARE.finditer(text)]
         for script, args in lines:
             for key, value in PLACEHOLDERS.items():
                 args = args.replace(key, value)
             tokens = [t[1:-1] if t.startswith("[") and t.endswith("]") else t for t in shlex.split(args)]
             found.append((_rel(doc), script, tokens))
     return found
+
+
+def _make_lines() -> list[str]:
+    """Every ``make ...`` line of a code block (its comment cut) and every inline ``make ...`` span of the docs."""
+    found = []
+    for doc in DOCS:
+        text = doc.read_text()
+        found += [m.group(1) for m in map(_MAKE_CODE.match, _code_lines(text)) if m]
+        found += [m.group(1) for m in _MAKE_INLINE.finditer(text)]
+    return sorted({" ".join(line.split()) for line in found})
 
 
 def test_the_docs_exist_and_the_readme_is_short():
@@ -108,6 +123,23 @@ def test_cited_benchmark_files_exist(doc):
 def test_the_docs_show_commands():
     scripts = {s for _, s, _ in _commands()}
     assert {"scripts/train.py", "scripts/evaluate.py", "scripts/make_dataset.py", "scripts/kitti_eval.py"} <= scripts
+
+
+def test_make_lines_name_targets_of_the_makefile():
+    """A documented ``make TARGET [VAR=...]`` names a target the Makefile has, and sets only ``ARGS``."""
+    targets = set(re.findall(r"^([\w-]+):", (REPO / "Makefile").read_text(), re.M))
+    for line in _make_lines():
+        words = shlex.split(line)[1:]
+        assert words and words[0] in targets, f"`{line}`: no such target in the Makefile ({sorted(targets)})"
+        assert all(w.startswith("ARGS=") for w in words[1:]), f"`{line}`: only ARGS= is passed to the Makefile"
+
+
+def test_documented_console_commands_exist():
+    """Every ``detector-NAME`` the docs name is a console command of pyproject.toml."""
+    scripts = re.search(r"^\[project\.scripts\]\n(.*?)^\[", (REPO / "pyproject.toml").read_text(), re.M | re.S)
+    declared = set(re.findall(r"^(detector-[\w-]+) =", scripts.group(1), re.M))
+    named = {n for doc in DOCS for n in re.findall(r"`(detector-[a-z-]*[a-z])`", doc.read_text())}
+    assert named and not named - declared, f"the docs name commands pyproject.toml does not declare: {named - declared}"
 
 
 def _sweeps(overrides: list[str]) -> list[list[str]]:

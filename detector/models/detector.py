@@ -50,6 +50,7 @@ from detector.nn.norm import needs_sync
 from detector.nn.plan import AUTO, DENSE, Plan, StageInput, check_setting, measure
 from detector.nn.resnet import SparseResNet, downsample_mask
 from detector.ops.capacity import BlockList
+from detector.ops.fused import fused_backend, whole_check
 
 SPARSE_PATHS = ("auto", "exact", "capacity")
 
@@ -388,6 +389,8 @@ class BevDetector(nn.Module):
         t = time.perf_counter() if self.timing else 0.0
         modes, caps, plan = self.capacity_plan(tuple(bev.shape), mask, level_masks)
         t = self._tick(times, "plan", t)
+        if fused_backend(bev.device, bev.dtype) == "triton":  # the kernels on this network: once, compared
+            whole_check(bev.device, bev.dtype, lambda: self._inference_maps(bev, mask, level_masks, modes, caps))
         key = (tuple(bev.shape), bev.dtype, bev.device, tuple(modes), tuple(caps))
         if self.training and self.capture_train and bev.is_cuda:
             run = self.train_graphs.get(key, _ListNetwork(self, modes, caps), bev, mask, *level_masks)
@@ -411,6 +414,18 @@ class BevDetector(nn.Module):
         if bev.is_cuda and not torch.is_grad_enabled():  # a replay's outputs are the graph's own: the next overwrites
             heat, reg = heat.clone(), reg.clone()
         return heat, reg, plan
+
+    def _inference_maps(self, bev: torch.Tensor, mask: torch.Tensor, level_masks: Sequence[torch.Tensor],
+                        modes: Sequence[int | str], caps: Sequence[StageCapacity | None]) -> tuple[torch.Tensor, ...]:
+        """The capacity path's maps of one batch in inference (running statistics, nothing updated): what
+        :func:`~detector.ops.fused.whole_check` compares between the kernels and the composition."""
+        was = self.training
+        self.eval()
+        try:
+            with torch.no_grad():
+                return tuple(self.capacity_maps(bev, mask, level_masks, modes, caps)[:2])
+        finally:
+            self.train(was)
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202
         self.graphs.clear()  # .to() / .half() move the tensors a captured graph reads

@@ -18,7 +18,8 @@ untouched):
 
 One op, two paths by device: on CUDA with triton, the kernel of :mod:`detector.ops.triton_blocks` (one launch
 each, the gather and the scatter fused in; padding rows skipped by the device-side count) once it has passed
-:func:`self_check` on that device and dtype (else, with a warning, the composition); elsewhere (the CPU:
+:func:`self_check` on that device and dtype and the whole network's first batch has matched the composition
+(:func:`whole_check`; else, with a warning, the composition); elsewhere (the CPU:
 its oneDNN convolutions and the compiled gather/scatter kernels stay the CPU path) the composition of
 ``sparse_gather``, ``F.conv2d`` and :func:`~detector.ops.capacity.scatter_padded`. Backward: the composition's
 autograd on the CPU; on the kernel's path both ops have a fused backward (two kernels: the transposed convolution
@@ -42,7 +43,7 @@ from .capacity import BlockList, gather_tiles, gather_windows, level_valid, scat
 from .formulas import memory_format_of
 from .functional import _kernels_for
 
-__all__ = ["conv_blocks", "conv_scatter", "fused_backend", "self_check"]
+__all__ = ["conv_blocks", "conv_scatter", "fused_backend", "self_check", "whole_check"]
 
 Origin = tuple[tuple[int, int], tuple[int, int]]
 Zero = tuple[tuple[int, int], tuple[int, int], tuple[int, int]]
@@ -50,11 +51,12 @@ Zero = tuple[tuple[int, int], tuple[int, int], tuple[int, int]]
 
 def fused_backend(device: torch.device, dtype: torch.dtype = torch.float32) -> str:
     """'triton' (CUDA with triton whose kernels pass :func:`self_check` for this device and dtype, or forced by
-    ``DETECTOR_FUSED=triton``) or 'torch' (the composition)."""
+    ``DETECTOR_FUSED=triton`` unless a check found them wrong there) or 'torch' (the composition)."""
     forced = _FORCE or os.environ.get("DETECTOR_FUSED", "")
-    if forced in ("triton", "torch"):
-        return forced if forced == "torch" or triton_blocks.available() else "torch"
     device = torch.device(device)
+    if forced in ("triton", "torch"):  # forced: still off where a check found the kernels wrong
+        ok = forced == "triton" and triton_blocks.available() and _CHECKED.get((str(device), dtype), True)
+        return "triton" if ok else "torch"
     if device.type != "cuda" or not triton_blocks.available():
         return "torch"
     return "triton" if self_check(device, dtype) else "torch"
@@ -91,7 +93,8 @@ def _compare(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
     H, W = 11, 13
     mask = (torch.rand(2, 1, H, W, generator=g) > 0.6).float()
     bl = reduce_mask_capacity(mask, calc_block_params(H, W, bsize=6, ksize=3, stride=1, padding=1), 24)
-    bl = BlockList(bl.indices.to(device), bl.count.to(device), bl.block)
+    written = (torch.rand(2, 1, H, W, generator=g) > 0.3).to(device, dtype)  # the unit's mask: the tiles' pixels
+    bl = BlockList(bl.indices.to(device), bl.count.to(device), bl.block, written)
 
     def rand(*shape):  # noqa: ANN002, ANN202
         return (torch.randn(shape, generator=g) * 0.5).to(device, dtype)
@@ -117,7 +120,11 @@ def _compare(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
     except Exception as e:  # noqa: BLE001  (any failure of the kernels means: do not use them)
         return False, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
     want = run("torch")
-    for name, a, b in zip(("output", "x's gradient", "w0's gradient", "w1's gradient"), got, want, strict=True):
+    return _close(("output", "x's gradient", "w0's gradient", "w1's gradient"), got, want, dtype)
+
+
+def _close(names, got, want, dtype: torch.dtype) -> tuple[bool, str]:  # noqa: ANN001
+    for name, a, b in zip(names, got, want, strict=True):
         scale = float(b.float().abs().max()) or 1.0
         err = float((a.float() - b.float()).abs().max()) / scale
         if not err <= (0.05 if dtype in (torch.float16, torch.bfloat16) else 0.01):  # tf32 dots; NaN fails
@@ -126,6 +133,40 @@ def _compare(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
 
 
 _FORCE: str | None = None  # the self check's own choice of path, over everything else
+_WHOLE: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def whole_check(device: torch.device, dtype: torch.dtype, run) -> bool:  # noqa: ANN001
+    """Whether a whole network ``run()`` (its outputs, a tuple of tensors) gives the same values with the kernels as
+    with the composition, on ``device`` in ``dtype``: run once per device and dtype on the first batch, after the
+    kernels' own :func:`self_check`, remembered. A failure (an exception or values off by more than the self check
+    allows) switches the kernels off for that device and dtype, with one warning: the path then runs the
+    composition."""
+    device = torch.device(device)
+    key = (str(device), dtype)
+    if key in _WHOLE:
+        return _WHOLE[key]
+    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return True
+    global _FORCE
+    try:
+        got = [t.detach().clone() for t in run()]
+    except Exception as e:  # noqa: BLE001  (any failure of the kernels means: do not use them)
+        ok, why = False, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    else:
+        _FORCE = "torch"
+        try:
+            want = run()
+        finally:
+            _FORCE = None
+        ok, why = _close([f"output {i}" for i in range(len(want))], got, want, dtype)
+    _WHOLE[key] = ok
+    if not ok:
+        _CHECKED[key] = False
+        warnings.warn(f"the network on the fused Triton kernels differs from the composition on {device} in {dtype} "
+                      f"({why}); the capacity path runs the composition of the gather/scatter kernels and the "
+                      "library's convolutions instead", RuntimeWarning, stacklevel=2)
+    return ok
 
 
 def _conv_blocks_torch(src, blist, weight, bias, stride, origin, extent, pre, relu, zero):  # noqa: ANN001, ANN202

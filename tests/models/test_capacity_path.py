@@ -296,3 +296,70 @@ def test_graph_replay_equals_the_exact_path_on_the_gpu(dtype):
         torch.testing.assert_close(cap.regression.float(), exact.regression.float(), **tol)
         torch.testing.assert_close(dense_graph.heatmap.float(), dense.heatmap.float(), **tol)
     assert len(model.graphs) >= 2  # the sparse graph(s) and the dense one
+
+
+def test_whole_check_keeps_the_kernels_only_if_the_network_matches_the_composition(monkeypatch):
+    """whole_check: outputs equal with the kernels and with the composition (the path ``run`` takes under the
+    check's forcing): the kernels stay on, asked once per device and dtype; outputs that differ, or a run that raises
+    on the kernels, switch them off for that device and dtype with one warning."""
+    from detector.ops import fused
+
+    monkeypatch.setattr(fused, "_WHOLE", {})
+    monkeypatch.setattr(fused, "_CHECKED", {})
+    calls = []
+
+    def run(offset: float):  # noqa: ANN202
+        def f():  # noqa: ANN202
+            calls.append(fused._FORCE)
+            return (torch.ones(3) + (0.0 if fused._FORCE == "torch" else offset),)
+        return f
+
+    dev = torch.device("cpu")
+    assert fused.whole_check(dev, torch.float32, run(0.0)) and calls == [None, "torch"]
+    assert fused.whole_check(dev, torch.float32, run(5.0))  # remembered: not run again
+    assert calls == [None, "torch"]
+    with pytest.warns(RuntimeWarning, match="differs from the composition"):
+        assert not fused.whole_check(dev, torch.float64, run(0.5))
+    assert fused._CHECKED[("cpu", torch.float64)] is False
+
+    def boom():  # noqa: ANN202
+        raise RuntimeError("no kernel for this device")
+
+    with pytest.warns(RuntimeWarning, match="RuntimeError: no kernel"):
+        assert not fused.whole_check(dev, torch.bfloat16, boom)
+
+
+@pytest.mark.slow  # ~45 s interpreted; make test checks whole_check's rule above
+def test_the_network_runs_the_kernels_only_after_its_first_batch_matched_the_composition(monkeypatch):
+    """On the kernels' path the first batch runs the whole network on the kernels and on the composition: equal, the
+    kernels stay on; a kernel that gives other values (here: one that adds 1 where it writes a map) is switched off for
+    that device and dtype with one warning, and the network's outputs are the composition's."""
+    pytest.importorskip("triton")
+    from detector.ops import fused, triton_blocks
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(fused, "_WHOLE", {})
+    monkeypatch.setattr(fused, "_CHECKED", {})
+    batch = _batch(n=1)
+    batch.mask = _mask("patch", n=1)
+    model = _model(16, 16)
+    monkeypatch.setenv("DETECTOR_FUSED", "torch")
+    with torch.no_grad():
+        want = model(batch)
+    monkeypatch.setenv("DETECTOR_FUSED", "triton")
+    with torch.no_grad():
+        model(batch)  # the real kernels: the check passes
+    assert fused._WHOLE == {("cpu", torch.float32): True}
+    real = triton_blocks.block_conv
+
+    def wrong(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        out = real(*args, **kwargs)
+        return out.add_(1.0) if kwargs.get("tile") is not None else out
+
+    monkeypatch.setattr(triton_blocks, "block_conv", wrong)
+    monkeypatch.setattr(fused, "_WHOLE", {})
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="differs from the composition"):
+        got = model(batch)
+    assert fused.fused_backend(torch.device("cpu")) == "torch"
+    torch.testing.assert_close(got.heatmap, want.heatmap, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.regression, want.regression, atol=1e-5, rtol=0)
