@@ -59,9 +59,9 @@ class TopDownNeck(nn.Module):
     """FPN-style top-down path: from the deepest stage, upsample ×2, add the 1x1 lateral of the next
     shallower stage, 3x3 conv-BN-ReLU; stops at ``out_stride``.
 
-    Given the computation mask at each level's resolution, every 3x3 smoothing conv runs sparse on that
-    level's active tiles (a one-conv :class:`~detector.nn.chain.SparseConvChain`; zero elsewhere, where
-    the sparse backbone's features are zero too); the 1x1 laterals and the upsampling stay dense.
+    Given the computation mask at each level's resolution, every 3x3 smoothing conv computes that level's mask
+    pixels only (a one-conv :class:`~detector.nn.chain.SparseConvChain`, sparse or dense as the plan says; zero
+    elsewhere); the 1x1 laterals and the upsampling stay dense.
     """
 
     def __init__(self, in_channels: Sequence[int], strides: Sequence[int], out_stride: int = 4, channels: int = 96,

@@ -1,4 +1,4 @@
-"""The detection head: a conv tower (sparse on the active tiles given a mask), then a per-class
+"""The detection head: a conv tower (computing the mask's pixels given a mask), then a per-class
 heatmap and 8 regression channels."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from detector.nn.chain import SparseConvChain
 
 class DetectionHead(nn.Module):
     """``num_convs`` 3x3 conv-BN-ReLU (one :class:`~detector.nn.chain.SparseConvChain`: dense without a
-    mask, one gather / VALID convs / one scatter on the mask's active tiles with one), then the 3x3
+    mask, the mask's pixels with one: one gather / VALID convs / one scatter on its tiles), then the 3x3
     heatmap and regression convolutions, dense: with 1 + 8 output channels they cost a few percent of
     the tower. Where the tower did not run its output is zero, so the logits there are the convolutions'
     biases (the heatmap's is trained towards background)."""

@@ -1,8 +1,9 @@
 """Sparse residual units and the SparseResNet BEV backbone (PIXOR layout, SBNet execution).
 
-Every unit is a :class:`~detector.nn.chain.SparseConvChain`: dense given no mask, sparse given one,
-with the same weights. See :mod:`detector.nn.chain` for the sparse semantics (one gather, VALID convs,
-one scatter; inactive tiles keep the input behind an identity shortcut, are zero otherwise).
+Every unit is a :class:`~detector.nn.chain.SparseConvChain`: dense given no mask, the mask's function given one,
+with the same weights. See :mod:`detector.nn.chain` for the semantics (the dense unit where the mask is set; elsewhere
+the input behind an identity shortcut, zero otherwise) and the sparse execution (one gather, VALID convs, one
+scatter).
 
 Backbone defaults follow PIXOR (Yang et al., 2018) - the network SBNet (Ren et al., 2018) sparsified
 for LiDAR BEV detection:
@@ -22,8 +23,8 @@ stage share one ``reduce_mask``.
 ``block_size`` (output tile per side) is one value for all stages or one per stage (stem first):
 an int, ``"dense"`` (that stage runs dense), or ``"auto"`` (the execution plan picks dense or one of the
 planner's candidate tiles per batch from the shapes, the active blocks and a cost model: deterministic,
-the same on every DDP rank; see :mod:`detector.nn.plan`). A stage that runs dense gives the dense values
-on inactive tiles too; on active tiles every choice gives the same output.
+the same on every DDP rank; see :mod:`detector.nn.plan`). A stage that runs dense applies the same mask: every
+choice gives the same output.
 """
 
 from __future__ import annotations
