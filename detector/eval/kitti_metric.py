@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from detector.data.kitti_labels import KittiLabels
-from detector.eval.matching import LevelCounts, build_graph, match_level
+from detector.eval.matching import LevelCounts, assign_at, build_graph, match_level
 from detector.eval.overlap import (
     Records,
     aabb_intersection,
@@ -356,6 +356,39 @@ def evaluate(
         dnum_gt,
         level_counts,
     )
+
+
+@dataclass
+class Assignment:
+    """The metric's matching of one class at one level and one score threshold, record by record: what
+    :func:`evaluate` counts at that threshold. Indices are positions in the flat :class:`Records` of the frames.
+
+    ``gt``: the class's GT candidates (the class and its neighbour class, R2), ``gt_counted`` those counted at the
+    level (the others ignored); ``det``: its detection candidates, ``det_state`` 0 counted, 1 ignored (R4), -1 not a
+    candidate at this level; ``det_in_dontcare`` (R7); ``match`` per GT candidate the detection it took (-1: none).
+    A counted GT that took a counted detection is a TP, one that took none a FN; a counted detection scored at least
+    the threshold that no GT took and outside DontCare regions is a FP."""
+
+    gt: np.ndarray
+    gt_counted: np.ndarray
+    det: np.ndarray
+    det_state: np.ndarray
+    det_in_dontcare: np.ndarray
+    match: np.ndarray
+
+
+def assign(G: Records, D: Records, cls: str, min_overlap: float, level: Level, threshold: float,
+           metric: str = "bev") -> Assignment:
+    """:func:`evaluate`'s matching of class ``cls`` in ``metric`` ("2d", "bev" or "3d") at ``level`` and one score
+    ``threshold`` (its second pass, R8), record by record (see :class:`Assignment`)."""
+    d_height = np.abs(D.height())
+    cd = _class_data(cls, G, D, level.min_height, d_height)
+    e = _edges(cd, G, D, (metric,), min_overlap)[metric]
+    graph = build_graph(cd.pair_gt[e.pairs], cd.pair_det[e.pairs], e.overlap, min_overlap, cd.gt.size, cd.det.size)
+    gs, ds = _states(level, cd, G, G.height(), G.distance(), d_height, D.distance())
+    pos = assign_at(graph, gs, ds, D.score[cd.det], threshold)
+    match = np.where(pos >= 0, cd.det[np.maximum(pos, 0)], -1) if cd.det.size else np.full(cd.gt.size, -1)
+    return Assignment(cd.gt, gs == 0, cd.det, ds, e.in_dontcare, match)
 
 
 @dataclass

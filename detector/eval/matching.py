@@ -253,18 +253,16 @@ def _chunks(views, T: int, budget: int = 1 << 22):
             yield _Bucket(b.gt[sl], b.det[sl], b.edge[sl], b.overlap[sl]), ig[sl], idt[sl], score[sl]
 
 
-def _pass2(b: _Bucket, ig, idt, score, thr, gt_alpha, det_alpha, det_in_dontcare):
-    """Second pass over padded components for all thresholds: (tp, fp, fn, similarity) per threshold."""
-    T = thr.size
-    tp_t = np.zeros(T, np.int64)
-    fp_t = np.zeros(T, np.int64)
-    fn_t = np.zeros(T, np.int64)
-    sim_t = np.zeros(T)
+def _second_pass(b: _Bucket, ig, idt, below) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The protocol's second pass (R8) over padded components at T thresholds at once: each GT (in file order)
+    takes the unassigned counted candidate with the largest overlap, else the first ignored one; detections
+    ``below`` [C, T, Dp] the threshold take no part. Returns ``pick`` [C, T, Gp] (the detection slot each GT took,
+    -1 none), ``took_counted`` [C, T, Gp] (it took a counted detection) and ``assigned`` [C, T, Dp]."""
     C, Gp, Dp = b.edge.shape
-    below = score[:, None, :] < thr[None, :, None]  # [C, T, Dp]
+    T = below.shape[1]
     assigned = np.zeros((C, T, Dp), bool)
-    galpha = _take(gt_alpha, b.gt, 0.0)
-    dalpha = _take(det_alpha, b.det, 0.0)
+    pick = np.full((C, T, Gp), -1)
+    took_counted = np.zeros((C, T, Gp), bool)
     counted_det = (idt == 0)[:, None, :]
     ignored_det = (idt == 1)[:, None, :]
     ci, ti = np.meshgrid(np.arange(C), np.arange(T), indexing="ij")
@@ -279,15 +277,52 @@ def _pass2(b: _Bucket, ig, idt, score, thr, gt_alpha, det_alpha, det_in_dontcare
         ji = np.argmax(cand_i, axis=2)
         j = np.where(has_v, jv, ji)
         has = (has_v | has_i) & (state >= 0)
-        tp = has_v & (state == 0)
-        fn = ~(has_v | has_i) & (state == 0)
         assigned[ci[has], ti[has], j[has]] = True
+        pick[:, :, g] = np.where(has, j, -1)
+        took_counted[:, :, g] = has_v & (state >= 0)
+    return pick, took_counted, assigned
+
+
+def _pass2(b: _Bucket, ig, idt, score, thr, gt_alpha, det_alpha, det_in_dontcare):
+    """Second pass over padded components for all thresholds: (tp, fp, fn, similarity) per threshold."""
+    T = thr.size
+    tp_t = np.zeros(T, np.int64)
+    fn_t = np.zeros(T, np.int64)
+    sim_t = np.zeros(T)
+    C, Gp, Dp = b.edge.shape
+    below = score[:, None, :] < thr[None, :, None]  # [C, T, Dp]
+    pick, took_counted, assigned = _second_pass(b, ig, idt, below)
+    galpha = _take(gt_alpha, b.gt, 0.0)
+    dalpha = _take(det_alpha, b.det, 0.0)
+    ci = np.arange(C)[:, None]
+    for g in range(Gp):
+        state = ig[:, g][:, None]  # [C, 1]
+        tp = took_counted[:, :, g] & (state == 0)
+        fn = (pick[:, :, g] < 0) & (state == 0)
         tp_t += tp.sum(axis=0)
         fn_t += fn.sum(axis=0)
         if tp.any():
-            delta = galpha[:, g][:, None] - dalpha[ci, j]
+            delta = galpha[:, g][:, None] - dalpha[ci, np.maximum(pick[:, :, g], 0)]
             sim_t += np.where(tp, (1.0 + np.cos(delta)) / 2.0, 0.0).sum(axis=0)
     in_dc = _take(det_in_dontcare, b.det, False)
-    fp = counted_det & ~assigned & ~below & ~in_dc[:, None, :]
-    fp_t += fp.sum(axis=(0, 2))
+    fp = (idt == 0)[:, None, :] & ~assigned & ~below & ~in_dc[:, None, :]
+    fp_t = fp.sum(axis=(0, 2))
     return tp_t, fp_t, fn_t, sim_t
+
+
+def assign_at(graph: MatchGraph, gt_state: np.ndarray, det_state: np.ndarray, det_score: np.ndarray,
+              threshold: float) -> np.ndarray:
+    """The second pass (R8) at one score threshold, record by record: [n_gt] the candidate position of the
+    detection each GT takes (-1: none), from :func:`match_level`'s states and scores. It is the pass the counts come
+    from (:func:`_second_pass`), so what it assigns is what they count."""
+    out = np.full(graph.n_gt, -1)
+    thr = np.array([float(threshold)])
+    views = [(b, _take(gt_state, b.gt, -1), _take(det_state, b.det, -1), _take(det_score, b.det, -np.inf))
+             for b in graph.buckets]
+    for b, ig, idt, score in _chunks(views, 1):
+        pick, _, _ = _second_pass(b, ig, idt, score[:, None, :] < thr[None, :, None])
+        pick = pick[:, 0, :]
+        take = (b.gt >= 0) & (pick >= 0)
+        rows = np.nonzero(take)[0]
+        out[b.gt[take]] = b.det[rows, pick[take]]
+    return out
