@@ -151,6 +151,11 @@ RUNS: dict[str, Run | ParseOnly] = {
     # --- docs/real-kitti.md -------------------------------------------------------------------------------------
     "scripts/train.py data=kitti data.root=/data/kitti mask=predicted": train(),
     "scripts/train.py data=kitti data.root=/data/kitti mask=ground": train(),
+    "scripts/analyze_errors.py run=outputs/eval/run root=/data/kitti": Run(
+        set={"run": EVAL_DIR, "root": "data/sim_kitti"},
+        why="also the README's line; <run>: the SETUP run's evaluation folder, of data/sim_kitti (its root)"),
+    "scripts/analyze_errors.py run=outputs/eval/run score_threshold=0.5 level=distance": Run(
+        set={"run": EVAL_DIR}, why="<run>: the SETUP run's evaluation folder"),
     "scripts/bench_sim2real.py ckpt_path=dummy": Run(extra=("images=1",), real=True),
     "scripts/bench_sim2real.py extra=experiment=sim2real out=benchmarks/sim2real_aug_cpu.json "
     "images_dir=benchmarks/sim2real_aug baseline=benchmarks/sim2real_cpu.json": Run(

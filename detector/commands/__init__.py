@@ -3,6 +3,6 @@ call the same ``main`` here. ``train`` and ``evaluate`` take Hydra overrides, th
 arguments (:func:`detector.cli.parse_args`)."""
 
 __all__ = [
-    "convert_dataset", "evaluate", "export", "inspect_dataset", "kitti_eval", "make_dataset", "predict", "train",
-    "visualize",
+    "analyze_errors", "convert_dataset", "evaluate", "export", "inspect_dataset", "kitti_eval", "make_dataset",
+    "predict", "train", "visualize",
 ]

@@ -5,6 +5,8 @@
 - :mod:`detector.eval.kitti_metric`: ``evaluate(gt, dt) -> KittiResult`` (AP R40/R11, AOS, AP by distance).
 - :mod:`detector.eval.kitti_files`: label/result folders (the ``scripts/kitti_eval.py`` CLI) and the
   result-file writer.
+- :mod:`detector.eval.error_analysis`: which errors an evaluation makes (missed, loose, duplicate, background,
+  ...) by distance band (the ``scripts/analyze_errors.py`` CLI).
 - :mod:`detector.eval.reference`: an independent, literal implementation of the protocol (test oracle).
 """
 
