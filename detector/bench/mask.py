@@ -1,7 +1,7 @@
 """Mask network settings screened without training a detector: recall of the Car boxes against the MACs it costs.
 
     python scripts/bench_mask.py [variants=c3,c5,c7,c5w32] [thresholds=0.3,0.4,0.45,0.5] [steps=960]
-                                 [batches=15] [root=data/sim_kitti] [out=benchmarks/mask_screen_cpu.json]
+                                 [batches=15] [reps=25] [root=data/sim_kitti] [out=benchmarks/mask_screen_cpu.json]
                                  [extra="hydra overrides"]
 
 The mask network learns from its own loss only (its output is detached where the detector uses it), so one
@@ -17,9 +17,9 @@ batches (augmented, batch norm in training mode: what training pays) and on the 
 - ``recall`` / ``covered``: the mean share of each Car box's cells inside the mask, and the share of boxes with
   every cell inside (detector/models/mask_quality.py);
 
-and ``ms``: the network's forward + backward on one training batch (median of 25, 2 threads). A setting that
-keeps more of the boxes at the same MACs is a better mask; which one trains the better detector takes
-``scripts/bench_train.py`` (docs/speed.md, the default mask).
+and ``ms``: the network's forward + backward on one training batch (median of ``reps``, after 5 warm-up runs; 2
+threads). A setting that keeps more of the boxes at the same MACs is a better mask; which one trains the better
+detector takes ``scripts/bench_train.py`` (docs/speed.md, the default mask).
 """
 
 from __future__ import annotations
@@ -62,9 +62,11 @@ def parse_variant(name: str, defaults: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv, {"variants": "c3,c5,c7,c5w32", "thresholds": "0.3,0.4,0.45,0.5", "steps": 960,
-                             "batches": 15, "root": "data/sim_kitti", "out": "benchmarks/mask_screen_cpu.json",
-                             "extra": ""},
+                             "batches": 15, "reps": 25, "root": "data/sim_kitti",
+                             "out": "benchmarks/mask_screen_cpu.json", "extra": ""},
                       USAGE)
+    if int(args["reps"]) < 1:
+        raise SystemExit(f"error: reps={args['reps']}: must be >= 1")
     torch.set_num_threads(2)
     with initialize_config_dir(str(REPO / "configs"), version_base="1.3"):
         cfg = compose("train", overrides=[f"data.root={args['root']}", *str(args["extra"]).split()])
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, net in nets.items():
         net.train()
         times = []
-        for _ in range(30):
+        for _ in range(5 + int(args["reps"])):
             t = time.perf_counter()
             mask_loss(net(bev), target, kind).backward()
             times.append(time.perf_counter() - t)

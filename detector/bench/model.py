@@ -165,6 +165,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     cfg0 = compose_cfg(args, "none")
     grid = build_grid(cfg0.bev)
+    choices = dict(args)  # the config groups to compose (args' bev/arch/block sizes become labels with a checkpoint)
     if args["ckpt_path"]:
         grid = load_detector(args["ckpt_path"], "none")[0].grid
         args.update(bev=f"of {args['ckpt_path']}", arch="of the checkpoint", block_size="of the checkpoint",
@@ -175,7 +176,7 @@ def main(argv=None) -> int:
     frames = [val[i] for i in range(min(n, len(val)))]
     road_frames = None  # read only when timed: they need the road maps (open3d), which not every machine has
     if "road_map" in masks:
-        road_cfg = compose_cfg(args, "road_map")
+        road_cfg = compose_cfg(choices, "road_map")
         road_ds = build_datamodule(road_cfg.data, road_cfg.mask, grid, sparse=True).dataset("val")
         road_frames = [road_ds[i] for i in range(len(frames))]
     train_ds = dm.dataset("train")
