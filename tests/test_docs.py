@@ -2,8 +2,9 @@
 files that exist, and every command line they show is accepted as written.
 
 Nothing here runs a job: ``scripts/train.py`` / ``scripts/evaluate.py`` lines are composed with Hydra against the
-real configs (as the commands' own override check does before they start), and the ``key=value`` scripts' lines
-go through the command's own argument parser, stopped right after it accepts them.
+real configs (as the commands' own override check does before they start), the ``key=value`` scripts' lines go
+through the command's own argument parser, stopped right after it accepts them, ``make`` lines name targets of the
+Makefile and ``detector-*`` names commands of pyproject.toml. tests/test_docs_run.py runs the command lines.
 """
 
 from __future__ import annotations
