@@ -460,3 +460,21 @@ def test_a_failed_run_leaves_no_folder(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and len(lines) == 1 and "checkpoint not found" in lines[0], r.stderr
     assert not (tmp_path / "new").exists()
+
+
+def test_runs_without_out_started_in_the_same_second_get_their_own_folders(tmp_path):
+    """predict's default folder is named by the start time: a second run in the same second takes ``<time>_1`` (as
+    training's run folders do), never the first run's folder; a folder the user names is refused when not empty."""
+    from detector.commands.predict import _Output
+    from detector.errors import ConfigError
+
+    base = tmp_path / "outputs" / "predict" / "2026-01-01_00-00-00"
+    first, second = _Output(base, False, timed=True), _Output(base, False, timed=True)
+    assert (first.root, second.root) == (base, base.with_name(base.name + "_1"))
+    first.file("json", "a.json").write_text("{}")
+    first.release()
+    second.remove_empty()  # a failed second run leaves nothing behind
+    assert sorted(p.name for p in base.parent.iterdir()) == [base.name]
+    assert [p.name for p in base.iterdir()] == ["json"]
+    with pytest.raises(ConfigError, match="not empty"):
+        _Output(base, False)

@@ -59,7 +59,7 @@ import numpy as np
 
 from detector.cli import parse_args
 from detector.errors import ConfigError, KittiFormatError, run_cleanly
-from detector.outputs import atomic_path, writable_dir, write_text_atomic
+from detector.outputs import atomic_path, claim_dir, writable_dir, write_text_atomic
 
 USAGE = __doc__
 
@@ -105,15 +105,34 @@ def _select(dets, keep):
 
 class _Output:
     """The run's output folder: refused when it holds anything (unless ``overwrite``), its sub-folders made when their
-    first file is written, and on a failure every folder this run made and left empty removed again."""
+    first file is written, and on a failure every folder this run made and left empty removed again. ``timed``: a
+    folder named by the start time (no ``out=``), versioned (``_1``, ``_2``, ...) when another run already took it,
+    as training's run folders are."""
 
-    def __init__(self, root: Path, overwrite: bool):
-        self.root = root
-        if root.is_dir() and any(root.iterdir()) and not overwrite:
-            raise ConfigError(f"out={root}: the folder is not empty: one folder per run; choose a new folder (or give "
-                              "overwrite=true to write this run's files over those of the same names)")
-        self.made = [p for p in (root, *root.parents) if not p.exists()][::-1]  # outermost first
+    def __init__(self, root: Path, overwrite: bool, timed: bool = False):
+        self.marker = None
+        if timed:
+            base = root
+            for version in range(1000):
+                root = base if version == 0 else base.with_name(f"{base.name}_{version}")
+                made = [p for p in (root, *root.parents) if not p.exists()][::-1]
+                if claim_dir(root):  # created (or found empty) and marked: ours, whoever starts in this second
+                    self.marker = root / ".claimed"
+                    break
+            else:
+                raise ConfigError(f"out={base}: 1000 predict runs already started in this second; give out=DIR")
+        else:
+            if root.is_dir() and any(root.iterdir()) and not overwrite:
+                raise ConfigError(f"out={root}: the folder is not empty: one folder per run; choose a new folder (or "
+                                  "give overwrite=true to write this run's files over those of the same names)")
+            made = [p for p in (root, *root.parents) if not p.exists()][::-1]  # outermost first
+        self.root, self.made = root, made
         writable_dir(root, "out")  # a path that cannot be written costs one line now, not after the first frame
+
+    def release(self) -> None:
+        """The run is over: its folder's claim marker removed (the folder holds the run's files only)."""
+        if self.marker is not None:
+            self.marker.unlink(missing_ok=True)
 
     def file(self, sub: str, name: str) -> Path:
         """``root/sub/name``, its folder made (and remembered) where missing."""
@@ -125,6 +144,7 @@ class _Output:
 
     def remove_empty(self) -> None:
         """Remove the folders this run made that hold nothing, innermost first."""
+        self.release()
         for folder in reversed(self.made):
             try:
                 folder.rmdir()
@@ -292,13 +312,16 @@ def predict(args: dict[str, Any]) -> dict[str, Any]:
     files = _inputs(args)
     _per_frame(args["calib"], "calibration", ".txt")  # a missing calibration fails before the checkpoint loads
     _per_frame(args["image"], "image", ".png")
+    timed = not args["out"]
     out = _Output(Path(args["out"] or Path("outputs") / "predict" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")),
-                  args["overwrite"])
+                  args["overwrite"], timed)
     try:
-        return _predict(args, files, out)
+        summary = _predict(args, files, out)
     except BaseException:
         out.remove_empty()
         raise
+    out.release()
+    return summary
 
 
 def _predict(args: dict[str, Any], files: list[Path], out: _Output) -> dict[str, Any]:
