@@ -142,7 +142,10 @@ def _chain_bytes(c: _Chain, N: int, f: int, train: bool) -> tuple[int, int, int]
     # next conv keeps it), and a residual unit's output tiles; not the output map: the scatter's backward needs
     # none, and the maps still alive at the end of the forward are the ones a later layer reads (estimate: kept)
     saved = blocks[0] + 2 * sum(blocks[1:]) + (tiles if identity or ch.proj is not None else 0)
-    return (saved if train else 0), maps[0] + blocks[0] + 2 * max(blocks[1:]) + new_map, out_map
+    # working set: the input map, its gathered blocks, two block tensors of the widest level, the projection's tiles
+    # (computed first, alive until the scatter) and the output map
+    proj = tiles if ch.proj is not None else 0
+    return (saved if train else 0), maps[0] + blocks[0] + 2 * max(blocks[1:]) + proj + new_map, out_map
 
 
 def _mask_net_bytes(model: BevDetector, N: int, f: int, train: bool) -> tuple[int, int]:

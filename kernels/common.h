@@ -78,9 +78,11 @@ inline bool is_nhwc(const char* op, const char* name, const at::Tensor& t) {
   return true;
 }
 
-// Check that t (blocks or a second map) is stored in the layout nhwc (as its map).
+// Check that t (blocks or a second map) is stored in the layout nhwc (as its map). An empty t holds nothing to lay
+// out (and ops that make one, e.g. torch.where on K = 0 blocks, drop channels-last strides): any strides pass.
 inline void check_layout(const char* op, const char* name, const at::Tensor& t, bool nhwc) {
-  TORCH_CHECK(nhwc ? t.is_contiguous(at::MemoryFormat::ChannelsLast) : t.is_contiguous(), op, ": ", name,
+  TORCH_CHECK(t.numel() == 0 || (nhwc ? t.is_contiguous(at::MemoryFormat::ChannelsLast) : t.is_contiguous()), op,
+              ": ", name,
               " must be ", nhwc ? "channels-last" : "NCHW-contiguous", " like its map, got strides ",
               dims(t.strides()));
 }

@@ -64,6 +64,7 @@ from torch import nn
 from detector.errors import ConfigError
 from detector.ops import BlockParams, ResidualBlocks, reduce_mask, sparse_gather, sparse_scatter_
 from detector.ops.blocks import pair
+from detector.ops.formulas import keep_where, like_map
 
 from .block_pass import BlockPass
 from .chunked import run_chunked
@@ -350,7 +351,7 @@ class SparseConvChain(nn.Module):
             y = F.relu_(y)
         if mask is None:
             return y
-        return torch.where(ms[L] > 0.5, y, x if self.shortcut == "identity" else 0)
+        return keep_where(ms[L] > 0.5, y, x if self.shortcut == "identity" else 0)
 
     # ----------------------------------------------------------------------------------- sparse
     def forward_sparse(self, x: torch.Tensor, blocks: ActiveBlocks, inplace: bool = False) -> torch.Tensor:
@@ -397,18 +398,19 @@ class SparseConvChain(nn.Module):
         if identity:  # one gather, the tiles combined into x (or a copy)
             residual = ResidualBlocks(x, idx, geo.block, inplace=inplace and not (x.is_leaf and x.requires_grad))
             xb = residual.gather()
-            # the map keeps its dtype (under autocast the tiles may come out in a lower precision)
             if self.preact:  # x + tile where the mask is set
                 z, new = BlockPass(self, geo, masks[0], known, collect=False).run(xb)
-                out = residual.scatter(torch.where(keep, z, 0).to(x.dtype), relu=False)
+                out = residual.scatter(like_map(keep_where(keep, z, 0), x), relu=False)
             else:  # relu(x + tile) where the mask is set, x elsewhere: the tiles overwrite
                 b, new = BlockPass(self, geo, masks[0], known, collect=False).run(xb, skip_identity=True)
                 (p0h, p0w), (th, tw) = geo.levels[0].offset, geo.tile
                 xt = xb[:, :, p0h : p0h + th, p0w : p0w + tw]
-                out = residual.scatter(torch.where(keep, torch.relu(xt + b), xt).to(x.dtype), relu=False, add=False)
+                inplace_ok = not torch.is_grad_enabled() and b.dtype == xt.dtype  # (autocast: b may be narrower)
+                b = b.add_(xt).relu_() if inplace_ok else torch.relu(xt + b)
+                out = residual.scatter(like_map(keep_where(keep, b, xt), x), relu=False, add=False)
         else:  # tiles written into a fresh zero map
             tiles, new = BlockPass(self, geo, masks[0], known, collect=False).run(sparse_gather(x, idx, geo.block))
-            out = sparse_scatter_(torch.where(keep, tiles, 0).to(base.dtype), idx, base, geo.block, add=False)
+            out = sparse_scatter_(like_map(keep_where(keep, tiles, 0), base), idx, base, geo.block, add=False)
         for j, m in new.items():
             update_running_stats(self.slots[j], m)
         return out

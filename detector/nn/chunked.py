@@ -17,6 +17,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from detector.ops import BlockParams, sparse_gather, sparse_scatter, sparse_scatter_
+from detector.ops.formulas import keep_where, like_map
 
 from .block_pass import BlockPass, Chain
 from .geometry import ChainGeometry, LevelMasks
@@ -105,8 +106,8 @@ def run_chunked(
         tiles = BlockPass(chain, geo, mc, known_final, collect=False).run(xb)[0]
         keep = sparse_gather(mask_out, ic, geo.select) > 0.5
         # outside the mask: x's own value where the tiles overwrite x (post-activation identity), else nothing
-        kept = torch.where(keep, tiles, xb[:, :, p0h : p0h + th, p0w : p0w + tw] if identity and not add else 0)
-        return kept.to(base.dtype)  # the map's dtype (under autocast the tiles may be of a lower precision)
+        outside = xb[:, :, p0h : p0h + th, p0w : p0w + tw] if identity and not add else 0
+        return like_map(keep_where(keep, tiles, outside), base)
 
     stats = [t for m in known if m is not None for t in (m.mean, m.var)]
     if grad:

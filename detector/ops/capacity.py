@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from .blocks import BlockParams
-from .formulas import memory_format_of
+from .formulas import like_map, memory_format_of
 from .functional import _kernels_for, block_activity
 
 __all__ = ["BlockList", "reduce_mask_capacity", "capacity_buckets", "bucket_for", "scatter_padded",
@@ -165,7 +165,7 @@ def scatter_padded(tiles: torch.Tensor, blist: BlockList, base: torch.Tensor, ad
     fmt = memory_format_of(base)
     if fmt is None:
         raise ValueError("scatter_padded: base must be NCHW-contiguous or channels-last")
-    tiles = tiles.to(base.dtype).contiguous(memory_format=fmt)  # the map's dtype (autocast: tiles may be lower)
+    tiles = like_map(tiles, base)
     keep = blist.keep(tile)
     if add and not relu:
         new, add_flag = torch.where(keep, tiles, 0).contiguous(memory_format=fmt), True

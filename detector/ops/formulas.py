@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["memory_format_of", "tiles_of", "scatter_backward", "ScatterInPlace"]
+__all__ = ["memory_format_of", "like_map", "keep_where", "tiles_of", "scatter_backward", "ScatterInPlace"]
 
 
 def memory_format_of(x: torch.Tensor) -> torch.memory_format | None:
@@ -18,6 +18,22 @@ def memory_format_of(x: torch.Tensor) -> torch.memory_format | None:
     if x.is_contiguous(memory_format=torch.channels_last):
         return torch.channels_last
     return None
+
+
+def like_map(tiles: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``tiles`` in the map ``m``'s dtype and memory layout, as a scatter into ``m`` takes them (under autocast the
+    tiles may come out of a convolution in a lower precision; an empty ``torch.where`` loses channels-last strides)."""
+    return tiles.to(m.dtype).contiguous(memory_format=memory_format_of(m) or torch.contiguous_format)
+
+
+def keep_where(keep: torch.Tensor, tiles: torch.Tensor, other: torch.Tensor | float) -> torch.Tensor:
+    """``where(keep, tiles, other)``: the unit's tiles where its mask is set; outside autograd written into ``tiles``
+    itself (a fresh output of the unit's last op), so that inference holds no second copy of the tiles."""
+    if not isinstance(other, torch.Tensor):
+        return torch.where(keep, tiles, other) if torch.is_grad_enabled() else tiles.masked_fill_(~keep, other)
+    if torch.is_grad_enabled() or other.dtype != tiles.dtype:  # (autocast: the other may be wider)
+        return torch.where(keep, tiles, other)
+    return torch.where(keep, tiles, other, out=tiles)
 
 
 def tiles_of(out: torch.Tensor, indices: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
