@@ -159,7 +159,7 @@ class DetectorModule(L.LightningModule):
 
     ``optimizer``: ``params -> Optimizer``; ``scheduler``: ``(optimizer, total_steps) -> LRScheduler``
     stepped every optimizer step (one-cycle by default). ``decode``: the decode settings
-    (score_threshold, nms_iou, max_detections; ``tasks.decode_kwargs``), the same evaluation uses.
+    (score_threshold, nms_iou, max_detections; ``build.decode_kwargs``), the same evaluation uses.
     ``val_images``: TensorBoard gets the bird's-eye views (:func:`detector.viz.bev_image`) of this many validation
     frames - the first ones of the val split, the same every validation - each ``image_every_n_val``-th validation,
     and a precision-recall curve per scored class every validation.

@@ -3,7 +3,7 @@
 
 The frames are collated as the data pipeline collates them (:func:`~detector.data.structures.collate_frames`), get
 the data-side computation mask of the checkpoint's mask config (ground plane, road map) as the loader gives it,
-and are decoded with the checkpoint's decode settings (:func:`detector.tasks.decode_kwargs`); a point cloud is cut
+and are decoded with the checkpoint's decode settings (:func:`detector.build.decode_kwargs`); a point cloud is cut
 to the camera's view as the checkpoint's were in training (:meth:`Predictor.camera_view`); KITTI result records
 come from :func:`detector.module.frame_records`, the translation evaluation writes.
 """
@@ -62,10 +62,10 @@ class Predictor:
     @classmethod
     def from_config(cls, model: BevDetector, cfg, device: str | torch.device = "cpu") -> Predictor:
         """The detector with the decode settings, data-side mask and camera cut of its config (as
-        :func:`detector.tasks.load_detector` returns them: the checkpoint's, or a ``mask=`` override)."""
+        :func:`detector.build.load_detector` returns them: the checkpoint's, or a ``mask=`` override)."""
         from hydra.utils import instantiate
 
-        from detector.tasks import decode_kwargs
+        from detector.build import decode_kwargs
 
         provider = None
         if cfg.model.sparse and cfg.mask.get("provider") is not None:
@@ -79,8 +79,8 @@ class Predictor:
                         ) -> tuple[Predictor, Any]:
         """``(predictor, config)`` of a checkpoint (weights_only); ``mask``: a mask config (or its name) in place of
         the checkpoint's; ``device`` None: CUDA where available, else the CPU; ``inference_path``, ``block_size``:
-        how the sparse network runs, in place of the checkpoint's (:func:`detector.tasks.load_detector`)."""
-        from detector.tasks import load_detector
+        how the sparse network runs, in place of the checkpoint's (:func:`detector.build.load_detector`)."""
+        from detector.build import load_detector
 
         model, cfg = load_detector(ckpt_path, mask, inference_path, block_size)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -204,10 +204,10 @@ def test_plan_time_excludes_the_cost_model_load(forklift_run, lidar_root, tmp_pa
 def test_an_exported_network_reports_the_sparsity_of_its_mask(forklift_run, lidar_root):
     """evaluate backend=export|onnx: the program predicts its mask inside; the output reports that mask's sparsity
     (it reported 0, a dense run, whatever the mask)."""
+    from detector.build import load_detector
     from detector.data.dataset import KittiDataset
     from detector.data.structures import collate_frames
     from detector.export import DeployNet, freeze_modes, program_forward
-    from detector.tasks import load_detector
 
     out, _ = forklift_run
     model, _ = load_detector(_ckpt(out))

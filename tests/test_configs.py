@@ -14,6 +14,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from detector.build import build_grid, build_model, current_layout, load_detector
 from detector.errors import ConfigError
 from detector.geometry.voxelize import BevGrid
 from detector.models.detector import BevDetector
@@ -22,7 +23,7 @@ from detector.models.mask_schedule import MaskSchedule
 from detector.models.targets import BoxCoder
 from detector.nn.plan import Planner
 from detector.nn.resnet import SparseResNet
-from detector.tasks import build_grid, build_model, current_layout, load_detector, validate_config
+from detector.tasks import validate_config
 from tests.test_train import CONFIGS, _cfg, _options
 
 

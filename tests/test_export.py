@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from detector.build import load_detector
 from detector.commands.export import main as export_main
 from detector.errors import CheckpointError
 from detector.export import (
@@ -27,7 +28,7 @@ from detector.export import (
 )
 from detector.ops import calc_block_params, reduce_mask
 from detector.ops.reference import reduce_mask as reference_reduce_mask
-from detector.tasks import load_detector, train
+from detector.tasks import train
 from tests.paths import REPO
 
 from .test_train import _cfg

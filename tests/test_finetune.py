@@ -14,10 +14,11 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from detector.bench.finetune_cv import build_fold_root, labeled_frames, make_folds
+from detector.build import build_grid, build_model
 from detector.callbacks import init_from_checkpoint, load_checkpoint
 from detector.data.kitti import KittiRoot
 from detector.errors import ConfigError
-from detector.tasks import build_grid, build_model, train
+from detector.tasks import train
 from tests.paths import REPO
 from tests.test_train import TINY
 

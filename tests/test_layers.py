@@ -33,7 +33,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("detector.models",),  # the detector: plain nn.Modules
     # the KITTI metric; BEV pictures; the inference network as a .pt2 / ONNX program; memory estimates
     ("detector.eval", "detector.viz", "detector.export", "detector.memory"),
-    ("detector.module", "detector.callbacks", "detector.batch_size"),  # Lightning plumbing
+    # Lightning plumbing; a model from its config or its checkpoint (build)
+    ("detector.module", "detector.callbacks", "detector.batch_size", "detector.build"),
     ("detector.tasks", "detector.predict"),  # train(cfg) / evaluate(cfg); a checkpoint run on frames (predict)
     ("detector.commands",),  # the command-line programs
     ("detector.bench",),  # the benchmarks and measuring tools behind scripts/ (nothing of ours imports them)

@@ -13,8 +13,9 @@ import torch
 
 from detector.bench import estimate_memory
 from detector.bench import memory as bench_memory
+from detector.build import build_grid, build_model
 from detector.memory import MB, estimate, measure_peak, stage_shares, tensor_bytes
-from detector.tasks import build_datamodule, build_grid, build_model
+from detector.tasks import build_datamodule
 from tests.paths import REPO
 
 from .test_train import _cfg

@@ -17,9 +17,10 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from detector.build import build_grid, build_model
 from detector.callbacks import load_checkpoint
 from detector.errors import CheckpointError, ConfigError
-from detector.tasks import build_datamodule, build_grid, build_model, evaluate_checkpoint, train, validate_config
+from detector.tasks import build_datamodule, evaluate_checkpoint, train, validate_config
 from tests.paths import CONFIGS, REPO
 
 TINY = [

@@ -61,10 +61,10 @@ def parse_own(own: dict[str, str]) -> tuple[list[int], list[float] | float | Non
 
 
 def main(argv: list[str] | None = None) -> int:
+    from detector.build import build_grid, build_model
     from detector.errors import USER_ERRORS, one_line
     from detector.memory import MB, estimate, largest_fitting
     from detector.resources import config_dir
-    from detector.tasks import build_grid, build_model
 
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):

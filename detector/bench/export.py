@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
+from detector.build import build_grid, build_model
 from detector.cli import parse_args
 from detector.export import (
     DeployNet,
@@ -40,7 +41,7 @@ from detector.export import (
     graph_breaks,
 )
 from detector.machine import allocator_env, cpu_model
-from detector.tasks import build_datamodule, build_grid, build_model
+from detector.tasks import build_datamodule
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -24,10 +24,11 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from detector.build import load_detector
 from detector.cli import parse_args
 from detector.machine import allocator_env, cpu_model
 from detector.resources import config_dir
-from detector.tasks import CHECKPOINT_DATA, evaluate_checkpoint, load_detector
+from detector.tasks import CHECKPOINT_DATA, evaluate_checkpoint
 
 USAGE = __doc__
 REPO = Path(__file__).resolve().parents[2]

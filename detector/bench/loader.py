@@ -23,9 +23,10 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
+from detector.build import build_grid
 from detector.cli import parse_args
 from detector.machine import allocator_env, cpu_model
-from detector.tasks import build_datamodule, build_grid
+from detector.tasks import build_datamodule
 
 REPO = Path(__file__).resolve().parents[2]
 USAGE = __doc__

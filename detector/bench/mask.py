@@ -37,13 +37,14 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
+from detector.build import build_grid, build_model
 from detector.cli import parse_args
 from detector.machine import allocator_env, cpu_model
 from detector.models.detector import masks_at_strides
 from detector.models.losses import mask_loss
 from detector.models.mask_net import MaskNet
 from detector.models.mask_quality import class_boxes, mask_quality
-from detector.tasks import build_datamodule, build_grid, build_model
+from detector.tasks import build_datamodule
 
 USAGE = __doc__
 REPO = Path(__file__).resolve().parents[2]

@@ -46,13 +46,14 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
+from detector.build import build_grid, build_model, load_detector
 from detector.cli import parse_args
 from detector.data.datamodule import collate
 from detector.data.structures import collate_frames
 from detector.machine import allocator_env, cpu_model
 from detector.models.losses import mask_loss
 from detector.models.mask_quality import TILE_STRIDES, box_recall, class_boxes, tile_activity
-from detector.tasks import build_datamodule, build_grid, build_model, load_detector
+from detector.tasks import build_datamodule
 
 USAGE = __doc__
 REPO = Path(__file__).resolve().parents[2]

@@ -35,7 +35,7 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "c
 def build(overrides: list[str], device: str):
     from hydra import compose, initialize_config_dir
 
-    from detector.tasks import build_grid, build_model
+    from detector.build import build_grid, build_model
 
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
         cfg = compose("train", overrides=overrides)

@@ -29,12 +29,13 @@ import numpy as np
 import torch
 from omegaconf import open_dict
 
+from detector.build import decode_kwargs, load_detector
 from detector.cli import parse_args
 from detector.eval.kitti_metric import evaluate
 from detector.machine import allocator_env, cpu_model
 from detector.models.mask_quality import TILE_STRIDES, box_recall, class_boxes, tile_activity
 from detector.module import frame_records
-from detector.tasks import build_datamodule, decode_kwargs, load_detector
+from detector.tasks import build_datamodule
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -126,7 +127,7 @@ def main(argv=None) -> int:
     if args["bev"]:
         from hydra import compose, initialize_config_dir
 
-        from detector.tasks import build_grid, build_model
+        from detector.build import build_grid, build_model
         with initialize_config_dir(str(REPO / "configs"), version_base="1.3"):
             cfg.bev = compose("train", overrides=[f"bev={args['bev']}"]).bev
         state = model.state_dict()

@@ -123,7 +123,8 @@ def step_breakdown(ckpts: dict[str, str], root: str, steps: int) -> dict[str, di
     import torch
     from omegaconf import open_dict
 
-    from detector.tasks import build_datamodule, load_detector
+    from detector.build import load_detector
+    from detector.tasks import build_datamodule
 
     runs, warmup = {}, 2
     for name, path in ckpts.items():

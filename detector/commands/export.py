@@ -30,6 +30,7 @@ USAGE = __doc__
 
 
 def run(args: dict) -> Path:
+    from detector.build import load_detector
     from detector.errors import ConfigError
     from detector.export import (
         DeployNet,
@@ -42,7 +43,6 @@ def run(args: dict) -> Path:
         mask_source,
     )
     from detector.outputs import writable_file
-    from detector.tasks import load_detector
 
     if args["format"] not in ("torch", "onnx"):
         raise ConfigError(f"format={args['format']!r}: choose torch or onnx")

@@ -11,7 +11,7 @@ docs/custom-data.md), told apart as training tells them (a ``points`` folder: Li
 mode=3d renders with open3d's legacy Visualizer offscreen (works without a display on our machines);
 mode=bev draws the bird's-eye-view image (the one TensorBoard shows); mode=auto tries 3d, then bev.
 Without ckpt_path only the ground truth is drawn. ``mask=`` replaces the checkpoint's computation mask,
-as ``scripts/evaluate.py mask=...`` does (the same :func:`detector.tasks.load_detector`): real KITTI has
+as ``scripts/evaluate.py mask=...`` does (the same :func:`detector.build.load_detector`): real KITTI has
 no road maps, so a road-map checkpoint is drawn there with mask=ground, mask=none (dense) or, when it
 trained a mask net, mask=predicted. ``fov_only`` keeps the points in the camera's view, as training and
 evaluation do (data.fov_only); a LiDAR-only frame has no camera and keeps every point.
@@ -78,7 +78,7 @@ def render_3d(points: np.ndarray, boxes: list[tuple[Boxes3D, tuple[float, float,
 def detect(model, cfg, frame: Frame) -> tuple[Detections, torch.Tensor | None]:
     """One frame's detections (all scores above the decode threshold) with the model's decode settings
     (those evaluation uses) and its computation mask [H, W] (None: dense): :class:`detector.predict.Predictor`, as
-    ``detector-predict`` runs it. The mask comes from ``cfg.mask`` as :func:`detector.tasks.load_detector` set it:
+    ``detector-predict`` runs it. The mask comes from ``cfg.mask`` as :func:`detector.build.load_detector` set it:
     the checkpoint's, or a ``mask=`` override. A road-map mask on a frame without a road map raises ValueError (its
     message names the frame)."""
     from detector.predict import Predictor
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
         frame.points = camera_view(frame.points, frame.calib, frame.image_size)
     dets, grid, mask = None, None, None
     if args["ckpt_path"]:
-        from detector.tasks import load_detector
+        from detector.build import load_detector
 
         try:
             model, cfg = load_detector(args["ckpt_path"], mask_override=args["mask"])

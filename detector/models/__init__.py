@@ -1,4 +1,4 @@
-"""The detector as plain ``nn.Module``\\ s (built from ``configs/model`` by :func:`detector.tasks.build_model`).
+"""The detector as plain ``nn.Module``\\ s (built from ``configs/model`` by :func:`detector.build.build_model`).
 
 - :mod:`~detector.models.detector`: ``BevDetector`` (backbone, top-down neck, head; decoding) and ``DetectorOutput``.
 - :mod:`~detector.models.head`: ``DetectionHead``; :mod:`~detector.models.targets`: ``BoxCoder`` (targets and box

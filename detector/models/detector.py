@@ -141,7 +141,7 @@ class DetectorOutput:
 class BevDetector(nn.Module):
     """The detector: voxelize, computation mask, sparse backbone, top-down neck, dense head (module docstring).
 
-    Built from ``configs/model`` by :func:`detector.tasks.build_model` (``_target_``), which passes the parts the
+    Built from ``configs/model`` by :func:`detector.build.build_model` (``_target_``), which passes the parts the
     other config groups decide: the grid (``bev``), the mask network and its schedule (``mask``).
 
     Args:

@@ -26,10 +26,10 @@ def masked_ckpt(predicted_ckpt, car_root, tmp_path_factory) -> Path:
     """predicted_ckpt with its mask net thresholded low enough that its mask covers part of each frame (a one-step
     mask net predicts nothing at the trained threshold: every way would then compute nothing alike), decoding every
     box down to score 0 (equal empty files would prove nothing)."""
+    from detector.build import load_detector
     from detector.callbacks import load_checkpoint
     from detector.data.dataset import KittiDataset
     from detector.data.structures import collate_frames
-    from detector.tasks import load_detector
 
     model, _ = load_detector(predicted_ckpt)
     model.eval()

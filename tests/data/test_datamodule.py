@@ -9,9 +9,10 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
+from detector.build import build_grid
 from detector.data.datamodule import EpochSampler, ResumableDataLoader
 from detector.resources import config_dir
-from detector.tasks import build_datamodule, build_grid
+from detector.tasks import build_datamodule
 
 
 def _shards(size: int, world: int, shuffle: bool, drop_last: bool, epoch: int = 0, seed: int = 0):

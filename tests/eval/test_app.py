@@ -163,7 +163,7 @@ def test_readme_evaluation_command_parses_and_runs(car_root, predicted_ckpt, tmp
 def test_inference_path_override_at_evaluation(car_root, predicted_ckpt, tmp_path):
     """``inference_path=capacity`` runs the checkpoint on the capacity path (on the CPU too), a bad value is one
     line naming the key."""
-    from detector.tasks import load_detector
+    from detector.build import load_detector
 
     assert load_detector(predicted_ckpt)[0].inference_path == "auto"  # the checkpoint's
     assert load_detector(predicted_ckpt, inference_path="capacity")[0].inference_path == "capacity"
@@ -184,9 +184,9 @@ def test_inference_path_override_at_evaluation(car_root, predicted_ckpt, tmp_pat
 def test_mask_net_the_checkpoint_did_not_train_is_refused(predicted_ckpt, tmp_path):
     """mask=predicted on a checkpoint without mask-net weights (as one trained with mask=road_map): an
     error naming the key, not a randomly initialised mask net."""
+    from detector.build import load_detector
     from detector.callbacks import load_checkpoint
     from detector.errors import ConfigError
-    from detector.tasks import load_detector
 
     ckpt = load_checkpoint(predicted_ckpt)
     ckpt["state_dict"] = {k: v for k, v in ckpt["state_dict"].items() if ".mask_net." not in k}
@@ -205,9 +205,9 @@ def test_mask_override_builds_the_net_the_checkpoint_trained(car_root, tmp_path,
 
     from hydra import compose, initialize_config_dir
 
+    from detector.build import load_detector
     from detector.callbacks import load_checkpoint
     from detector.resources import config_dir
-    from detector.tasks import load_detector
 
     run = train(_cfg(tmp_path / "run", car_root, "trainer.limit_train_batches=1", "trainer.limit_val_batches=0",
                      "callbacks.model_checkpoint.monitor=null", "evaluate_after=false", "logger=none",

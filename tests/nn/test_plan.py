@@ -16,12 +16,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from detector.build import build_grid, build_model
 from detector.nn import cost as cost_mod
 from detector.nn.chain import SparseConvChain
 from detector.nn.cost import CostModel, cost_key, load_or_calibrate
 from detector.nn.plan import DENSE, Planner, choose, measure, settle
 from detector.nn.resnet import SparseResNet
-from detector.tasks import build_datamodule, build_grid, build_model, train
+from detector.tasks import build_datamodule, train
 from tests.test_train import _cfg, _final_weights
 
 UNIT = 1e-9  # every per-element constant; blocks convolve as fast as maps

@@ -38,10 +38,10 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import open_dict
 
+from detector.build import build_grid, build_model
 from detector.data.structures import Batch
 from detector.geometry.boxes import Boxes3D
 from detector.ops import fused, triton_blocks
-from detector.tasks import build_grid, build_model
 from tests.paths import CONFIGS
 
 triton = pytest.importorskip("triton")
