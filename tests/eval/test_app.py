@@ -218,9 +218,9 @@ def test_mask_override_builds_the_net_the_checkpoint_trained(car_root, tmp_path,
 
     def load(*args):  # the detector, its config and what load_detector warned
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="detector.tasks"):
+        with caplog.at_level(logging.WARNING, logger="detector.build"):
             model, cfg = load_detector(run["best_ckpt"], *args)
-        return model, cfg, [r.getMessage() for r in caplog.records if r.name == "detector.tasks"]
+        return model, cfg, [r.getMessage() for r in caplog.records if r.name == "detector.build"]
 
     own, _, messages = load()
     assert messages == []  # its own mask: nothing to say
