@@ -250,6 +250,7 @@ def test_bad_input_to_the_command_is_one_line_naming_the_file(predicted_ckpt, tm
         ([ckpt, f"input={good}", f"calib={tmp_path / 'calib'}"], tmp_path / "calib", "calibration not found"),
         ([ckpt, f"input={good}", "mask=road_map"], predicted_ckpt, "a point cloud has none"),
         ([ckpt, f"input={good}", f"out={tmp_path / 't.bin' / 'out'}"], tmp_path / "t.bin", "cannot write there"),
+        ([ckpt, f"input={good}", "picture_size=50"], "picture_size=50", "an integer >= 200"),
     ]
     for i, (argv, named, message) in enumerate(cases):
         out = tmp_path / f"out{i}"
@@ -404,8 +405,17 @@ def test_score_threshold_counts_draws_and_filters_when_asked(car_root, scoring_c
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
     cmd = [sys.executable, "scripts/predict.py", f"ckpt_path={scoring_ckpt}", f"input={cloud}", f"out={out}"]
-    r = subprocess.run([*cmd, "picture=both"], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    r = subprocess.run([*cmd, "picture=both", "picture_size=300"], cwd=REPO, capture_output=True, text=True,
+                       timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
+    import open3d as o3d
+
+    from detector.build import load_detector
+
+    grid = load_detector(scoring_ckpt)[0].grid  # picture_size: pixels on the map's long side, the legend under it
+    x_ext, y_ext = grid.x_range[1] - grid.x_range[0], grid.y_range[1] - grid.y_range[0]
+    img = np.asarray(o3d.io.read_image(str(out / "bev" / "000003.png")))
+    assert img.shape[1] == round(300 * y_ext / max(x_ext, y_ext)) and img.shape[0] > round(300 * x_ext / max(x_ext, y_ext))
     assert "XDG_RUNTIME_DIR" not in r.stderr and "error" not in r.stderr.lower(), r.stderr
     # an untrained head scores every box under 0.3: none counted, all 20 in the files, none drawn
     assert "1 frame(s), boxes scored >= 0.3: none; the files hold all 20 decoded (scores >= 0)" in r.stdout

@@ -3,6 +3,7 @@
     detector-predict ckpt_path=PATH input=FILE|DIR [out=DIR] [format=auto|bin|npy|pcd|ply]
                      [calib=FILE|DIR] [image=FILE|DIR] [mask=predicted|ground|none] [skip_bad=false]
                      [drop_nonfinite=false] [intensity_scale=1.0] [fov_only=true] [picture=bev|3d|both|none]
+                     [picture_size=1000]
                      [score_threshold=0.3] [filter_files=false] [overwrite=false] [device=auto|cpu|cuda]
                      [inference_path=auto|exact|capacity] [block_size=8|16|32|dense|auto]
     (or: python scripts/predict.py ...)
@@ -18,6 +19,7 @@ this run's files over those of the same names):
     bev/<id>.png       the bird's-eye view: points, computation mask, the boxes scored >= score_threshold in their
                        class colours with their scores, range rings, a metre scale and a legend
     3d/<id>.png        (picture=3d|both) an offscreen open3d view, where this machine can render one
+picture_size: pixels on the long side of the bird's-eye view's map (at least 200; the legend goes under it).
 and summary.json (frames, boxes per class, ms per frame, skipped files, warnings). Every file is written whole
 once its frame succeeded; a run that fails leaves no empty folder behind.
 
@@ -65,7 +67,7 @@ USAGE = __doc__
 
 DEFAULTS: dict[str, Any] = {
     "ckpt_path": None, "input": None, "out": None, "format": "auto", "calib": None, "image": None, "mask": None,
-    "skip_bad": False, "drop_nonfinite": False, "intensity_scale": 1.0, "fov_only": True, "picture": "bev",
+    "skip_bad": False, "drop_nonfinite": False, "intensity_scale": 1.0, "fov_only": True, "picture": "bev", "picture_size": 1000,
     "score_threshold": 0.3, "filter_files": False, "overwrite": False, "device": "auto", "inference_path": None,
     "block_size": None,
 }
@@ -158,6 +160,7 @@ class _Run:
     def __init__(self, args: dict[str, Any], predictor, out: _Output, total: int):
         self.args, self.predictor, self.out, self.total = args, predictor, out, total
         self.threshold = float(args["score_threshold"])
+        self.picture_size = int(args["picture_size"])
         self.calib_for = _per_frame(args["calib"], "calibration", ".txt")
         self.image_for = _per_frame(args["image"], "image", ".png")
         self.pictures = {"bev", "3d"} if args["picture"] == "both" else {args["picture"]} - {"none"}
@@ -242,7 +245,7 @@ class _Run:
         names = np.asarray(self.predictor.classes)[dets.labels.numpy()] if len(dets) else []
         return {"bev": bev_image(points, self.predictor.grid, det_boxes=dets.boxes, det_scores=dets.scores,
                                  det_names=names, mask=None if mask is None else mask[0, 0],
-                                 score_threshold=self.threshold, title=frame_id)}
+                                 score_threshold=self.threshold, title=frame_id, size=self.picture_size)}
 
     def _write_pictures(self, frame_id: str, images: dict[str, np.ndarray], points: np.ndarray, drawn,
                         say: Callable[[str], None]) -> None:
@@ -301,6 +304,8 @@ def predict(args: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"{key}= is required (see --help)")
     if args["picture"] not in PICTURES:
         raise ConfigError(f"picture={args['picture']!r}: choose {', '.join(PICTURES)}")
+    if isinstance(args["picture_size"], bool) or not isinstance(args["picture_size"], int) or args["picture_size"] < 200:
+        raise ConfigError(f"picture_size={args['picture_size']!r}: pixels on the map's long side, an integer >= 200")
     if args["device"] not in ("auto", "cpu", "cuda") and not str(args["device"]).startswith("cuda:"):
         raise ConfigError(f"device={args['device']!r}: choose auto, cpu or cuda")
     if args["image"] is not None and args["calib"] is None:

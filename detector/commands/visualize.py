@@ -1,15 +1,17 @@
-"""Render a frame's points, ground-truth boxes (green) and predicted boxes (red).
+"""Render a frame's points, ground-truth boxes and predicted boxes.
 
     detector-visualize root=DIR frame=000010 [ckpt_path=PATH] [mask=road_map|predicted|ground|none]
                        [out=frame.png] [mode=auto|3d|bev] [score_threshold=0.3] [fov_only=true]
-                       [split_dir=training]
+                       [split_dir=training] [size=1000]
     (or: python scripts/visualize.py ...)
 
 root: a KITTI-format root (``split_dir``/velodyne, label_2, calib) or a LiDAR-only one (points/, labels/:
 docs/custom-data.md), told apart as training tells them (a ``points`` folder: LiDAR-only).
 
 mode=3d renders with open3d's legacy Visualizer offscreen (works without a display on our machines);
-mode=bev draws the bird's-eye-view image (the one TensorBoard shows); mode=auto tries 3d, then bev.
+mode=bev draws the bird's-eye-view image (the one TensorBoard and predict draw: the ground truth filled and the
+predictions outlined in their class colours, with their scores; ``size`` pixels on the map's long side);
+mode=auto tries 3d (ground truth green, predictions red), then bev.
 Without ckpt_path only the ground truth is drawn. ``mask=`` replaces the checkpoint's computation mask,
 as ``scripts/evaluate.py mask=...`` does (the same :func:`detector.build.load_detector`): real KITTI has
 no road maps, so a road-map checkpoint is drawn there with mask=ground, mask=none (dense) or, when it
@@ -100,11 +102,13 @@ def read_frame(root: str, frame_id: str, split_dir: str = "training") -> Frame:
 def main(argv=None) -> int:
     args = parse_args(argv, {"root": None, "frame": "000000", "split_dir": "training", "ckpt_path": None,
                              "mask": None, "out": None, "mode": "auto", "score_threshold": 0.3,
-                             "fov_only": True}, USAGE)
+                             "fov_only": True, "size": 1000}, USAGE)
     if args["root"] is None:
         raise SystemExit("error: root=DIR is required (see --help)")
     if args["mode"] not in ("auto", "3d", "bev"):
         raise SystemExit(f"error: mode must be auto, 3d or bev, got {args['mode']!r}")
+    if isinstance(args["size"], bool) or not isinstance(args["size"], int) or args["size"] < 200:
+        raise SystemExit(f"error: size={args['size']!r}: pixels on the map's long side, an integer >= 200")
     if args["mask"] is not None and not args["ckpt_path"]:
         raise SystemExit("error: mask= chooses a checkpoint's computation mask: give ckpt_path=PATH too")
     try:
@@ -114,7 +118,7 @@ def main(argv=None) -> int:
         return 1
     if args["fov_only"]:  # as the dataset does for training and evaluation (a LiDAR-only frame keeps every point)
         frame.points = camera_view(frame.points, frame.calib, frame.image_size)
-    dets, grid, mask = None, None, None
+    dets, grid, mask, scores, names = None, None, None, None, None
     if args["ckpt_path"]:
         from detector.build import load_detector
 
@@ -127,7 +131,9 @@ def main(argv=None) -> int:
                 raise
             print(one_line(e), file=sys.stderr)
             return 1
-        dets = found.boxes[found.scores >= args["score_threshold"]]
+        keep = found.scores >= args["score_threshold"]
+        dets, scores = found.boxes[keep], found.scores[keep]
+        names = list(np.asarray(model.coder.classes)[found.labels[keep].numpy()]) if int(keep.sum()) else []
         grid = model.grid
     out_path = Path(args["out"] or f"frame_{args['frame']}.png")
     boxes = [(frame.gt_boxes, (0.2, 0.9, 0.2))] + ([(dets, (1.0, 0.25, 0.25))] if dets is not None else [])
@@ -144,7 +150,9 @@ def main(argv=None) -> int:
         from detector.geometry.voxelize import BevGrid
 
         grid = BevGrid((0.0, 70.4), (-40.0, 40.0), (-2.5, 1.0), 0.1, 0.1)
-    write_png(out_path, bev_image(frame.points, grid, gt_boxes=frame.gt_boxes, det_boxes=dets, mask=mask))
+    write_png(out_path, bev_image(frame.points, grid, gt_boxes=frame.gt_boxes, det_boxes=dets, det_scores=scores,
+                                  mask=mask, score_threshold=args["score_threshold"], gt_names=frame.gt_names,
+                                  det_names=names, size=args["size"], title=f"frame {args['frame']}"))
     print(f"wrote {out_path} (bird's-eye view)")
     return 0
 

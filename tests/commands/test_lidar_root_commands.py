@@ -94,12 +94,25 @@ def test_kitti_eval_scores_the_lidar_only_evaluation_folder_as_evaluation_did(se
 
 def test_visualize_reads_a_lidar_only_root(session, tmp_path):
     """visualize.py on a LiDAR-only root (points/, labels/) with the checkpoint trained on it (it said "no
-    'training' folder")."""
+    'training' folder"); its bird's-eye view is predict's and TensorBoard's: size= pixels on the map's long side
+    (the legend under it), the labelled Cars in a tint of the Car colour (it drew plain green outlines)."""
+    import open3d as o3d
+
+    from detector.build import load_detector
+    from detector.viz import LEGEND_BACKGROUND, gt_color
+
     out = tmp_path / "frame.png"
     r = _run([sys.executable, str(REPO / "scripts" / "visualize.py"), f"root={session['root']}", "frame=000001",
-              "mode=bev", f"ckpt_path={session['ckpt']}", f"out={out}"], cwd=tmp_path)
+              "mode=bev", f"ckpt_path={session['ckpt']}", f"out={out}", "size=400"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    img = np.asarray(o3d.io.read_image(str(out)))
+    grid = load_detector(session["ckpt"])[0].grid
+    x_ext, y_ext = grid.x_range[1] - grid.x_range[0], grid.y_range[1] - grid.y_range[0]
+    map_rows, map_cols = round(400 * x_ext / max(x_ext, y_ext)), round(400 * y_ext / max(x_ext, y_ext))
+    assert img.shape[1] == map_cols and img.shape[0] > map_rows  # x up, y across; the legend below the map
+    assert (read_lidar_label(session["root"] / "labels" / "000001.txt").name == "Car").any()  # the case can fail
+    assert (img[:map_rows] == np.asarray(gt_color("Car"), np.uint8)).all(-1).any()  # its outline: a tint of Car's
+    assert not (img[:map_rows] == np.asarray(LEGEND_BACKGROUND, np.uint8)).all(-1).all(-1).any()  # no legend row
 
 
 # --- kitti_eval on LiDAR-only folders, in-process ---------------------------------------------------------------
