@@ -113,11 +113,14 @@ def logged_step_ms(tb_dir: Path) -> dict | None:
             "quarters": [round(statistics.median(per_step[i * q:(i + 1) * q]), 1) for i in range(4)]}
 
 
-def step_breakdown(ckpts: dict[str, str], root: str, steps: int) -> dict[str, dict[str, float]]:
+def step_breakdown(ckpts: dict[str, str], root: str, steps: int, settings: dict[str, dict] | None = None,
+                   train: bool = True) -> dict[str, dict[str, float]]:
     """Median ms per training step, by part (loading a batch, the forward's timed parts - voxelize, mask, plan,
-    ``backbone/<stage>`` and their sum ``backbone``, ``head`` (the neck and the head) - then forward, loss,
-    backward, optimizer and the step), of each checkpoint's detector on batches of its own training loader; the
-    runs take turns step by step."""
+    ``backbone/<stage>`` and their sum ``backbone``, ``head`` (the neck and the head), or ``network`` on the
+    capacity path - then forward, loss, backward, optimizer and the step), of each checkpoint's detector on batches
+    of its own training loader; the runs take turns step by step. ``settings[run]``: attributes set on that run's
+    detector (e.g. ``{"train_path": "capacity"}``: one checkpoint timed two ways). ``train`` False: inference
+    instead (eval mode, no autograd) on batches of the val loader - forward and step only."""
     import statistics
 
     import torch
@@ -133,21 +136,34 @@ def step_breakdown(ckpts: dict[str, str], root: str, steps: int) -> dict[str, di
             cfg.data.root = root
         dm = build_datamodule(cfg.data, cfg.mask, model.grid, bool(cfg.model.sparse))
         dm.setup("fit")
-        loader, batches, acc = iter(dm.train_dataloader()), [], {"load": []}
+        make_loader = dm.train_dataloader if train else dm.val_dataloader
+        loader, batches, acc = iter(make_loader()), [], {"load": []}
         for i in range(warmup + steps):
             t = time.perf_counter()
             batch = next(loader, None)
-            if batch is None:  # a small training split: its next epoch
-                loader = iter(dm.train_dataloader())
+            if batch is None:  # a small split: its next epoch
+                loader = iter(make_loader())
                 batch = next(loader)
             batches.append(batch)
             if i >= warmup:
                 acc["load"].append(time.perf_counter() - t)
-        model.train()
+        for key, value in (settings or {}).get(name, {}).items():
+            setattr(model, key, value)
+        model.train(train)
         model.timing = True  # per-stage forward times (synchronizes on CUDA only)
         runs[name] = (model, batches, torch.optim.AdamW(model.parameters(), lr=1e-5), acc)
     for i in range(warmup + steps):
         for model, batches, opt, acc in runs.values():
+            if not train:
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    out = model(batches[i])
+                t1 = time.perf_counter()
+                if i >= warmup:
+                    for k, v in {**out.times, "forward": t1 - t0, "step": t1 - t0}.items():
+                        if k != "start":
+                            acc.setdefault(k, []).append(v)
+                continue
             t0 = time.perf_counter()
             out = model(batches[i])
             t1 = time.perf_counter()

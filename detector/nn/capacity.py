@@ -37,7 +37,8 @@ from dataclasses import replace
 import torch
 
 from detector.ops import sparse_gather
-from detector.ops.capacity import BlockList, gather_windows, level_valid, reduce_mask_capacity, scatter_padded
+from detector.ops.capacity import (BlockList, gather_windows, level_valid, reduce_mask_capacity, scatter_padded,
+                                   uses_buckets)
 from detector.ops.fused import conv_blocks, conv_scatter
 
 from .chain import SparseConvChain, zeros_in_layout
@@ -261,17 +262,18 @@ def _settings(net: torch.nn.Module, modes: Sequence[int | str] | None) -> list[i
     return list(net.block_sizes if modes is None else modes)
 
 
-def capacities(inputs: Sequence[StageInput], modes: Sequence[int | str], smallest: int = 8
+def capacities(inputs: Sequence[StageInput], modes: Sequence[int | str], smallest: int = 8, buckets: bool = True
                ) -> list[StageCapacity | None]:
     """Per stage the list capacities of ``modes`` (None where dense): the smallest buckets that hold the counts
-    of the settled plan ``inputs`` at the chosen tile (:func:`~detector.nn.plan.list_rows`)."""
+    of the settled plan ``inputs`` at the chosen tile, or the counts (``buckets`` False;
+    :func:`~detector.nn.plan.list_rows`)."""
     out: list[StageCapacity | None] = []
     for inp, mode in zip(inputs, modes, strict=True):
         if mode == DENSE:
             out.append(None)
             continue
         _, k1, kr = next(c for c in inp.counts if c[0] == mode)
-        out.append(list_rows(inp, int(mode), k1, kr, smallest))
+        out.append(list_rows(inp, int(mode), k1, kr, smallest, buckets))
     return out
 
 
@@ -280,11 +282,12 @@ def decide_lists(inputs: Sequence[StageInput], settings: Sequence[int | str], pl
                  ) -> tuple[list[int | str], list[StageCapacity | None], Plan | None]:
     """The capacity path's plan of a batch from its plan ``inputs`` (counts unread): ONE host read of all the
     counts, the modes (``planner``'s choice, priced for this path and for a training step or inference, where a
-    setting is 'auto'; else the settings) and the list capacities of every stage."""
+    setting is 'auto'; else the settings) and the list capacities of every stage: buckets on a GPU, the counts
+    elsewhere (:func:`~detector.ops.capacity.uses_buckets`)."""
     inputs = settle(inputs)  # the one read
     plan = planner.decide(inputs, device, dtype, training, "capacity") if AUTO in settings else None
     modes = list(plan.choices) if plan is not None else list(settings)
-    return modes, capacities(inputs, modes, smallest), plan
+    return modes, capacities(inputs, modes, smallest, uses_buckets(device)), plan
 
 
 def plan_capacities(net: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor,

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from detector.errors import ConfigError
 from detector.ops import block_activity
-from detector.ops.capacity import bucket_for
+from detector.ops.capacity import bucket_for, uses_buckets
 
 from .cost import CostModel, dense_macs, load_or_calibrate, sparse_macs
 
@@ -151,9 +151,11 @@ def settle(inputs: Sequence[StageInput]) -> list[StageInput]:
                                                 for k in c[1:])) for c in i.counts]) for i in inputs]
 
 
-def stage_cost(inp: StageInput, option: int | str, cost: CostModel, training: bool, path: str = "exact") -> float:
+def stage_cost(inp: StageInput, option: int | str, cost: CostModel, training: bool, path: str = "exact",
+               buckets: bool = True) -> float:
     """Estimated seconds of the stage run dense (``option == 'dense'``) or sparse with that tile, on the exact
-    path or the capacity path (whose lists hold the bucket of the count: :func:`list_rows`)."""
+    path or the capacity path (whose lists hold the bucket of the count, or with ``buckets`` False the count:
+    :func:`list_rows`)."""
     (N, H, W), (Hr, Wr) = inp.shape, inp.rest_hw
     first, rest = inp.units[0], inp.units[1:]
     if option == DENSE:
@@ -161,22 +163,28 @@ def stage_cost(inp: StageInput, option: int | str, cost: CostModel, training: bo
                                                                for u in rest)
     _, k1, kr = next(c for c in inp.counts if c[0] == option)
     if path == "capacity":
-        k1, kr = list_rows(inp, option, k1, kr)
+        k1, kr = list_rows(inp, option, k1, kr, buckets=buckets)
     base = "copy" if first.shortcut == "identity" else "zeros"
     return cost.sparse(first, N, H, W, option, k1, base, training, path) + sum(
         cost.sparse(u, N, Hr, Wr, option, kr, "inplace", training, path) for u in rest)
 
 
-def list_rows(inp: StageInput, tile: int, k1: int, kr: int, smallest: int = 8) -> tuple[int, int]:
+def list_rows(inp: StageInput, tile: int, k1: int, kr: int, smallest: int = 8, buckets: bool = True
+              ) -> tuple[int, int]:
     """The rows of the block lists the capacity path runs a stage on at ``tile`` given its counts: the
     smallest bucket (:func:`~detector.ops.capacity.bucket_for`) of the first unit's grid that holds ``k1`` and
-    of the other units' grid that holds ``kr`` (0 for a one-unit stage)."""
+    of the other units' grid that holds ``kr`` (0 for a one-unit stage); ``buckets`` False
+    (:func:`~detector.ops.capacity.uses_buckets`): the counts themselves (at least one row)."""
     (N, H, W), (Hr, Wr) = inp.shape, inp.rest_hw
-    first = inp.units[0]
-    c1 = bucket_for(int(k1), N * first.geometry(H, W, tile).block.num_blocks, smallest)
+
+    def rows(k: int, unit, h: int, w: int) -> int:  # noqa: ANN001
+        total = N * unit.geometry(h, w, tile).block.num_blocks
+        return bucket_for(int(k), total, smallest) if buckets else min(max(int(k), 1), total)
+
+    c1 = rows(k1, inp.units[0], H, W)
     if len(inp.units) == 1:
         return c1, 0
-    return c1, bucket_for(int(kr), N * inp.units[1].geometry(Hr, Wr, tile).block.num_blocks, smallest)
+    return c1, rows(kr, inp.units[1], Hr, Wr)
 
 
 def stage_macs(inp: StageInput, option: int | str) -> int:
@@ -189,15 +197,17 @@ def stage_macs(inp: StageInput, option: int | str) -> int:
     return sparse_macs(first, H, W, option, k1) + sum(sparse_macs(u, Hr, Wr, option, kr) for u in rest)
 
 
-def choose(inputs: Sequence[StageInput], cost: CostModel, training: bool, path: str = "exact") -> Plan:
+def choose(inputs: Sequence[StageInput], cost: CostModel, training: bool, path: str = "exact",
+           buckets: bool = True) -> Plan:
     """THE decision (pure): per stage its set value, or for 'auto' the option of least estimated cost
     (dense first, then the tiles in increasing order; a later option must be strictly cheaper) on ``path``
-    ('exact': the sparse ops sized by the counts; 'capacity': bounded block lists, :mod:`detector.nn.capacity`)."""
+    ('exact': the sparse ops sized by the counts; 'capacity': bounded block lists, :mod:`detector.nn.capacity`,
+    of a bucket's rows or, ``buckets`` False, of the counts')."""
     inputs = settle(inputs)
     choices, estimates, macs = [], [], []
     for inp in inputs:
         options = [DENSE] + sorted(c[0] for c in inp.counts)
-        est = [(o, stage_cost(inp, o, cost, training, path)) for o in options]
+        est = [(o, stage_cost(inp, o, cost, training, path, buckets)) for o in options]
         macs.append(tuple((o, stage_macs(inp, o)) for o in options))
         if inp.setting == AUTO:
             best = est[0]
@@ -282,11 +292,12 @@ class Planner:
         shared = self._shared(training)
         if shared:
             inputs = _sum_over_ranks(inputs, device)
-        key = (training, path, tuple((i.name, i.setting, id(i.units[0]), i.shape, i.rest_hw, i.counts)
+        buckets = uses_buckets(device)
+        key = (training, path, buckets, tuple((i.name, i.setting, id(i.units[0]), i.shape, i.rest_hw, i.counts)
                                      for i in inputs))
         plan = self._memo.get(key)
         if plan is None:
-            plan = choose(inputs, self.cost_model(device, dtype), training, path)
+            plan = choose(inputs, self.cost_model(device, dtype), training, path, buckets)
             if len(self._memo) > 1024:
                 self._memo.clear()
             self._memo[key] = plan

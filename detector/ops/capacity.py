@@ -36,7 +36,7 @@ from .blocks import BlockParams
 from .formulas import like_map, memory_format_of
 from .functional import _kernels_for, block_activity
 
-__all__ = ["BlockList", "reduce_mask_capacity", "capacity_buckets", "bucket_for", "scatter_padded",
+__all__ = ["BlockList", "reduce_mask_capacity", "capacity_buckets", "bucket_for", "uses_buckets", "scatter_padded",
            "gather_tiles", "gather_windows", "level_valid"]
 
 
@@ -88,6 +88,13 @@ def capacity_buckets(total: int, smallest: int = 8) -> tuple[int, ...]:
 def bucket_for(count: int, total: int, smallest: int = 8) -> int:
     """The smallest bucket of :func:`capacity_buckets` that holds ``count`` blocks."""
     return next(b for b in capacity_buckets(total, smallest) if b >= count)
+
+
+def uses_buckets(device: torch.device | str) -> bool:
+    """Whether block lists on ``device`` take a bucket's rows (:func:`bucket_for`) or exactly the active blocks.
+    Buckets repeat shapes, so that a captured CUDA graph is replayed; where nothing is captured (the CPU) a
+    bucket's padding rows would only be computed and thrown away, and the host read of the count is free."""
+    return torch.device(device).type == "cuda"
 
 
 def reduce_mask_capacity(mask: torch.Tensor, bp: BlockParams, capacity: int, tol: float = 0.5,

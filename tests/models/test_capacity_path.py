@@ -139,8 +139,8 @@ def test_overflow_reruns_and_loses_no_block(monkeypatch, caplog):
     real = capacity.capacities
     calls = []
 
-    def short(inputs, modes, smallest=8):  # the first plan's lists too short: every stage overflows
-        caps = real(inputs, modes, smallest)
+    def short(inputs, modes, smallest=8, buckets=True):  # the first plan's lists too short: every stage overflows
+        caps = real(inputs, modes, smallest, buckets)
         calls.append(caps)
         return [None if c is None else (1, 1 if c[1] else 0) for c in caps] if len(calls) == 1 else caps
 
@@ -234,8 +234,8 @@ def test_training_overflow_stops_with_an_error(monkeypatch):
     batch = _batch(2)
     batch.mask = _mask("patch")
     real = capacity.capacities
-    monkeypatch.setattr(capacity, "capacities", lambda inputs, modes, smallest=8: [
-        None if c is None else (1, 1 if c[1] else 0) for c in real(inputs, modes, smallest)])
+    monkeypatch.setattr(capacity, "capacities", lambda inputs, modes, smallest=8, buckets=True: [
+        None if c is None else (1, 1 if c[1] else 0) for c in real(inputs, modes, smallest, buckets)])
     with pytest.raises(RuntimeError, match="no block may be dropped"):
         model(batch)
 

@@ -61,6 +61,33 @@ def test_padded_capacity_equals_exact():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_lists_hold_the_counts_off_cuda_and_buckets_on_it():
+    """Off CUDA (nothing captured, nothing replayed) a list has exactly the stage's active blocks as rows - no
+    padding row computed and thrown away; on CUDA the smallest bucket that holds them (captured graphs replay)."""
+    from detector.nn.plan import list_rows, settle
+    from detector.ops.capacity import capacity_buckets, uses_buckets
+
+    assert not uses_buckets("cpu") and uses_buckets("cuda") and uses_buckets(torch.device("cuda", 1))
+    net = _net()
+    x, mask = _inputs(p=0.97)
+    with torch.no_grad():
+        modes, caps = cp.plan_capacities(net, x, mask)
+        _, overflow, counts = cp.forward_capacity(net, x, mask, modes, caps)
+    assert not bool(overflow)
+    sparse = [(cap, cnt) for cap, cnt in zip(caps, counts, strict=True) if cap is not None]
+    assert sparse and any(int(c[0]) not in capacity_buckets(10**6) for _, c in sparse)  # the case can fail
+    for cap, cnt in sparse:
+        assert cap[0] == max(int(cnt[0]), 1) and (len(cnt) == 1 or cap[1] == max(int(cnt[1]), 1))
+    inputs = settle(net.plan_inputs(tuple(x.shape), mask, list(modes), path="capacity"))
+    for inp, mode, cnt in zip(inputs, modes, counts, strict=True):
+        if mode == "dense":
+            continue
+        k1 = int(cnt[0])
+        total = x.shape[0] * inp.units[0].geometry(*inp.shape[1:], int(mode)).block.num_blocks
+        want = next(b for b in capacity_buckets(total) if b >= k1)
+        assert list_rows(inp, int(mode), k1, int(cnt[1]) if len(cnt) > 1 else 0, buckets=True)[0] == want
+
+
 class _Calls(TorchDispatchMode):
     def __init__(self):
         super().__init__()
