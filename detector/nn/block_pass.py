@@ -31,9 +31,8 @@ from torch import nn
 from .geometry import ChainGeometry, ConvSpec, LevelMasks, zero_pixels
 from .norm import (
     Moments,
-    batch_norm_native,
+    blocks_batch_norm,
     needs_sync,
-    region_batch_norm,
     region_moments,
     running_scale_shift,
     scale_shift,
@@ -103,11 +102,9 @@ class BlockPass:
         if m is None and not self.collect and needs_sync(bn):  # DDP: statistics of all processes
             m = self.new[j] = sync_moments(bn, region_moments(z, lvl, lm), z)
         if m is None:  # this pass's own moments (a collecting pass stops before it gets here)
-            if lvl.offset == (0, 0) and lvl.region == lvl.extent and lm.region is None and lm.count > 1:
-                # the tile region is the whole block, all in the map: nn.BatchNorm2d's own fused kernel
-                # gives the same statistics (and updates the running ones)
-                return batch_norm_native(bn, z)
-            y, self.new[j] = region_batch_norm(bn, z, lvl, lm)
+            y, m = blocks_batch_norm(bn, z, lvl, lm)
+            if m is not None:  # else nn.BatchNorm2d's kernel updated the running statistics itself
+                self.new[j] = m
             return y
         s, t = scale_shift(bn, m.mean, m.var)
         return torch.addcmul(t.view(1, -1, 1, 1), z, s.view(1, -1, 1, 1))

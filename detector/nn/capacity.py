@@ -31,6 +31,7 @@ log. The whole detector (backbone, neck and head) runs on the same functions: ``
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -42,8 +43,9 @@ from detector.ops.capacity import (BlockList, gather_windows, level_valid, reduc
 from detector.ops.fused import conv_blocks, conv_scatter
 
 from .chain import SparseConvChain, zeros_in_layout
-from .geometry import ChainGeometry, Level, mask_at_stride
-from .norm import list_batch_norm, needs_sync, running_scale_shift, update_running_stats, uses_batch_stats
+from .geometry import ChainGeometry, Level, LevelMasks, level_masks, mask_at_stride, zero_pixels
+from .norm import (blocks_batch_norm, list_batch_norm, needs_sync, running_scale_shift, update_running_stats,
+                   uses_batch_stats)
 from .plan import AUTO, DENSE, Plan, StageInput, list_rows, settle
 
 __all__ = ["chain_capacity", "stage_capacity", "plan_capacities", "forward_capacity", "run_checked",
@@ -53,12 +55,21 @@ log = logging.getLogger(__name__)
 
 StageCapacity = tuple[int, int]  # (capacity of the first unit's list, of the other units' list)
 
+# a full list's level masks, shared by the units that run on it (a stage's second and later units): (mask, per level)
+_LEVEL_MASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
 
 class _ListNorm:
     """The BN slots of ``chain`` on ``blist``'s blocks: folded into the convolutions (running statistics), or -
     a slot in training mode - applied with the batch moments of the level's mask pixels in the active rows' tile
-    regions (:func:`~detector.nn.norm.list_batch_norm`: padding rows excluded, no host read), its running statistics
-    updated as the exact path updates them. ``mask``: the unit's binary mask at its input resolution."""
+    regions, its running statistics updated as nn.BatchNorm2d updates them. ``mask``: the unit's binary mask at its
+    input resolution.
+
+    A list of bucket rows (CUDA: padding rows past the count) takes :func:`~detector.nn.norm.list_batch_norm`
+    (padding rows excluded, no host read). A list whose every row is an active block (off CUDA, where the rows are
+    the count: :func:`~detector.ops.capacity.uses_buckets`) takes the blocks' own kernels
+    (:func:`~detector.nn.norm.blocks_batch_norm`: nn.BatchNorm2d's, or the region sums' with a written-out
+    backward) and zeroes the pixels past the map in place - the same values in fewer passes."""
 
     def __init__(self, chain: SparseConvChain, blist: BlockList, geo: ChainGeometry, mask: torch.Tensor) -> None:
         self.chain, self.blist, self.geo, self.mask = chain, blist, geo, mask
@@ -68,6 +79,9 @@ class _ListNorm:
             if needs_sync(bn):
                 raise ValueError(f"{chain.name}.bn[{j}]: synchronized batch norm across processes runs on the exact "
                                  "path (model.train_path=exact)")
+        # every row an active block: known without a sync only where the count is read anyway (off CUDA)
+        self.full = (any(map(uses_batch_stats, self.slots)) and not uses_buckets(blist.indices.device)
+                     and int(blist.count) == blist.capacity > 0)
 
     def batch(self, j: int | None) -> bool:
         return j is not None and uses_batch_stats(self.slots[j])
@@ -82,23 +96,42 @@ class _ListNorm:
         return w * s.view(-1, 1, 1, 1), t
 
     def inside(self, level: Level) -> torch.Tensor:
-        """bool ``[capacity, 1, e_h, e_w]``: the block pixels of ``level`` inside its map (made once per level: the BN
-        that counts them and the zeroing after it share it)."""
+        """bool ``[capacity, 1, e_h, e_w]``: the block pixels of ``level`` inside its map (made once per level)."""
         if level not in self._inside:
             self._inside[level] = level_valid(self.blist.indices, level.region, level.offset, level.extent,
                                               level.map_size)
         return self._inside[level]
 
+    def level_masks(self, level: Level) -> LevelMasks:
+        """The blocks' pixels past ``level``'s map and the region pixels its statistics count (a full list only;
+        made once per list, mask and level: the units of a stage share them)."""
+        shared = _LEVEL_MASKS.get(self.blist)
+        if shared is None or shared[0] is not self.mask:
+            shared = _LEVEL_MASKS[self.blist] = (self.mask, {})
+        if level not in shared[1]:
+            shared[1][level] = level_masks(self.blist.indices, level, mask_at_stride(self.mask, level.stride))
+        return shared[1][level]
+
     def __call__(self, j: int, z: torch.Tensor) -> torch.Tensor:
         """Slot ``j`` (training mode) on the blocks ``z`` of its level."""
-        lv = self.geo.levels[self.chain.slot_levels[j]]
-        y, m = list_batch_norm(self.slots[j], z, region_weights(self.blist, lv, mask_at_stride(self.mask, lv.stride)))
-        update_running_stats(self.slots[j], m)
+        lv, bn = self.geo.levels[self.chain.slot_levels[j]], self.slots[j]
+        if self.full and self.level_masks(lv).count > 0:
+            y, m = blocks_batch_norm(bn, z, lv, self.level_masks(lv))
+        else:
+            y, m = list_batch_norm(bn, z, region_weights(self.blist, lv, mask_at_stride(self.mask, lv.stride)))
+        if m is not None:  # else nn.BatchNorm2d's kernel updated the running statistics itself
+            update_running_stats(bn, m)
         return y
 
     def relu_zero(self, a: torch.Tensor, level: Level) -> torch.Tensor:
-        """ReLU, block pixels outside ``level``'s map zeroed (the dense twin's padding for the next convolution)."""
-        return torch.where(self.inside(level), torch.relu(a), 0)
+        """ReLU, block pixels outside ``level``'s map zeroed (the dense twin's padding for the next convolution);
+        in place on a full list (``a`` is a batch norm's output, which its backward does not read)."""
+        if not self.full:
+            return torch.where(self.inside(level), torch.relu(a), 0)
+        outside = self.level_masks(level).outside
+        if outside is not None:
+            zero_pixels(a, outside)
+        return torch.relu_(a)
 
 
 def _out_slot(chain: SparseConvChain, i: int) -> int | None:

@@ -28,6 +28,7 @@ from .geometry import Level, LevelMasks
 __all__ = [
     "Moments",
     "batch_norm_native",
+    "blocks_batch_norm",
     "uses_batch_stats",
     "region_moments",
     "region_batch_norm",
@@ -159,6 +160,17 @@ def region_batch_norm(bn: nn.BatchNorm2d, z: torch.Tensor, level: Level, masks: 
     weight, bias = (bn.weight, bn.bias) if bn.affine else (None, None)
     y, mean, var = _RegionBatchNorm.apply(z, weight, bias, level, masks, float(bn.eps))
     return y, Moments(mean=mean, var=var, count=masks.count)
+
+
+def blocks_batch_norm(bn: nn.BatchNorm2d, z: torch.Tensor, level: Level, masks: LevelMasks
+                      ) -> tuple[torch.Tensor, Moments | None]:
+    """``bn`` on the blocks ``z [K, C, e_h, e_w]`` (every row an active block) with the batch moments of their tile
+    regions' counted pixels (``masks``): nn.BatchNorm2d's own fused kernel where the region is the whole block and
+    every pixel counts (it updates the running statistics itself: no moments returned), else
+    :func:`region_batch_norm` (the caller updates the running statistics with the moments)."""
+    if level.offset == (0, 0) and level.region == level.extent and masks.region is None and masks.count > 1:
+        return batch_norm_native(bn, z), None
+    return region_batch_norm(bn, z, level, masks)
 
 
 def list_batch_norm(bn: nn.BatchNorm2d, z: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, Moments]:

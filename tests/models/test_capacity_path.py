@@ -19,7 +19,7 @@ from detector.nn.cost import CostModel
 from detector.nn.plan import Planner
 from detector.nn.resnet import SparseResNet
 from tests.models.test_detector import GRID, _batch
-from tests.nn.test_capacity import SYNCS, _Calls
+from tests.nn.test_capacity import SYNCS, _Calls, cuda_lists  # noqa: F401 - a fixture
 
 # a hand-set cost model (no calibration in the tests): sparse cheap per block, so 'auto' picks tiles on sparse
 # masks; the capacity path's fixed cost above the exact one's
@@ -206,9 +206,9 @@ def test_training_step_equals_the_exact_path(block, head_block, kind):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=name)
 
 
-def test_training_step_with_the_plan_and_no_host_call_inside():
-    """train_path=capacity with 'auto' settings: one plan priced for a training step on this path; the network's
-    forward and backward make no data-dependent host call once it is read."""
+def test_training_step_with_the_plan_and_no_host_call_inside(cuda_lists):
+    """train_path=capacity with 'auto' settings, a GPU's lists: one plan priced for a training step on this path;
+    the network's forward and backward make no data-dependent host call once it is read."""
     model = _model("auto", "auto").train()
     model.train_path = "capacity"
     batch = _batch(2)

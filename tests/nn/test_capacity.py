@@ -174,23 +174,36 @@ def _assert_same_training(exact, cap, got, want):
         torch.testing.assert_close(ba, bb, rtol=1e-9, atol=1e-9, msg=name)
 
 
+@pytest.fixture
+def cuda_lists(monkeypatch):
+    """The block lists a GPU runs - a bucket's rows, the count never read inside the network - on the CPU, which
+    stands in for the device (off CUDA the lists hold the count, read once per list)."""
+    from detector.nn import plan
+
+    for module in (cp, plan):
+        monkeypatch.setattr(module, "uses_buckets", lambda device: True)
+
+
+@pytest.mark.parametrize("rows", ["counts", "padded"])  # the CPU's lists (every row active), a GPU's (padding rows)
 @pytest.mark.parametrize("preact,bottleneck", [(False, True), (True, True), (False, False), (True, False)])
 @pytest.mark.parametrize("p", [0.985, 1.0, 0.0])  # some blocks, none (K = 0), all
-def test_training_equals_exact_path(preact, bottleneck, p):
+def test_training_equals_exact_path(preact, bottleneck, p, rows):
     """Training mode (batch statistics of the active tiles): the features, every gradient and the running
-    statistics equal the exact path's, on lists padded past their counts."""
+    statistics equal the exact path's, on lists of the counts and on lists padded past them."""
     exact, cap = _train_pair(preact, bottleneck)
     x, mask = _inputs(p)
     x = x.double()
     want = _step(lambda a: exact(a, mask), x)
     modes, caps = cp.plan_capacities(cap, x, mask)
-    padded = [None if c is None else (c[0] + 5, c[1] + 3) for c in caps]
-    got = _step(lambda a: cp.forward_capacity(cap, a, mask, modes, padded)[0], x)
+    if rows == "padded":
+        caps = [None if c is None else (c[0] + 5, c[1] + 3) for c in caps]
+    got = _step(lambda a: cp.forward_capacity(cap, a, mask, modes, caps)[0], x)
     _assert_same_training(exact, cap, got, want)
 
 
-def test_training_makes_no_host_call():
-    """Forward and backward of a training step: no data-dependent host call (the plan's read is before)."""
+def test_training_makes_no_host_call(cuda_lists):
+    """Forward and backward of a training step on a GPU's lists: no data-dependent host call (the plan's read is
+    before)."""
     _, net = _train_pair(dtype=torch.float32)
     x, mask = _inputs()
     modes, caps = cp.plan_capacities(net, x, mask)
@@ -200,7 +213,7 @@ def test_training_makes_no_host_call():
 
 
 @pytest.mark.slow  # ~11 s; make test compiles the inference forward (test_compiles_fullgraph)
-def test_training_compiles_fullgraph():
+def test_training_compiles_fullgraph(cuda_lists):
     """The training forward is one graph (aot_eager: the backward traced too); same values and gradients."""
     exact, net = _train_pair(dtype=torch.float32)
     x, mask = _inputs()
