@@ -15,8 +15,7 @@ by the active blocks (read by the host per stage: on a GPU a sync per stage and 
 *capacity* one (:mod:`detector.nn.capacity`) on block lists of bounded sizes made on the device, with one host read
 of the plan's counts per batch and none inside the network; its inference is captured as a CUDA graph per (shape,
 plan, buckets) on a GPU. Both give the same values, gradients and running statistics; ``auto`` takes the capacity
-path on a GPU (launch- and sync-bound there) and the exact one on the CPU (no syncs to save, and no padding rows to
-compute; also where synchronized batch norm trains across processes). Where the capacity path's inference runs on a
+path on a GPU (launch- and sync-bound there) and the exact one on the CPU (no syncs to save). Where the capacity path's inference runs on a
 GPU, the dense network (no mask) is captured as a graph too: a sparse plan is priced, and measured, against the best
 dense.
 """
@@ -46,7 +45,6 @@ from detector.nn.capacity import StageCapacity, chain_list, decide_lists, forwar
 from detector.nn.capture import capture_training
 from detector.nn.chain import SparseConvChain
 from detector.nn.graphs import GraphCache
-from detector.nn.norm import needs_sync
 from detector.nn.plan import AUTO, DENSE, Plan, StageInput, check_setting, measure
 from detector.nn.resnet import SparseResNet, downsample_mask
 from detector.ops.capacity import BlockList
@@ -341,12 +339,12 @@ class BevDetector(nn.Module):
     # --- the capacity path -----------------------------------------------------------------------------
     def uses_capacity_path(self, bev: torch.Tensor) -> bool:
         """Whether this forward runs the capacity path: ``train_path`` in training or under autograd, else
-        ``inference_path``; ``auto``: on a GPU, unless batch norm synchronizes across processes."""
+        ``inference_path``; ``auto``: on a GPU."""
         training = self.training or torch.is_grad_enabled()
         setting = self.train_path if training else self.inference_path
         if setting != "auto":
             return setting == "capacity"
-        return bev.is_cuda and not (training and any(needs_sync(m) for m in self.modules()))
+        return bev.is_cuda
 
     def capacity_plan(self, x_shape: tuple[int, ...], mask: torch.Tensor, level_masks: Sequence[torch.Tensor],
                       modes: Sequence[int | str] | None = None

@@ -20,7 +20,7 @@ mask's pixels are written - the exact path's values, whatever the tile.
 Training: a batch norm in training mode is not folded; its convolution runs unfused and the BN takes the batch
 moments of the level's mask pixels in the active rows' tile regions (padding rows left out, the count a device
 tensor: no read), as the exact path's statistics do; the backward is autograd's through the ops. Synchronized BN
-across processes (DDP) needs the exact path.
+across processes (DDP): each slot's moments of this process's pixels, all-reduced (:func:`~detector.nn.norm.sync_moments`).
 
 Capacity overflow (a list shorter than the active blocks, e.g. a graph captured for a smaller bucket) is never
 silent: every list's ``overflow`` flag is OR-ed on the device into the returned flag, and :func:`run_checked`
@@ -44,8 +44,8 @@ from detector.ops.fused import conv_blocks, conv_scatter
 
 from .chain import SparseConvChain, zeros_in_layout
 from .geometry import ChainGeometry, Level, LevelMasks, level_masks, mask_at_stride, zero_pixels
-from .norm import (blocks_batch_norm, list_batch_norm, needs_sync, running_scale_shift, update_running_stats,
-                   uses_batch_stats)
+from .norm import (blocks_batch_norm, list_batch_norm, list_moments, needs_sync, normalize, region_moments,
+                   running_scale_shift, sync_moments, update_running_stats, uses_batch_stats)
 from .plan import AUTO, DENSE, Plan, StageInput, list_rows, settle
 
 __all__ = ["chain_capacity", "stage_capacity", "plan_capacities", "forward_capacity", "run_checked",
@@ -75,10 +75,6 @@ class _ListNorm:
         self.chain, self.blist, self.geo, self.mask = chain, blist, geo, mask
         self.slots = chain.slots
         self._inside: dict[Level, torch.Tensor] = {}
-        for j, bn in enumerate(self.slots):
-            if needs_sync(bn):
-                raise ValueError(f"{chain.name}.bn[{j}]: synchronized batch norm across processes runs on the exact "
-                                 "path (model.train_path=exact)")
         # every row an active block: known without a sync only where the count is read anyway (off CUDA)
         self.full = (any(map(uses_batch_stats, self.slots)) and not uses_buckets(blist.indices.device)
                      and int(blist.count) == blist.capacity > 0)
@@ -115,6 +111,8 @@ class _ListNorm:
     def __call__(self, j: int, z: torch.Tensor) -> torch.Tensor:
         """Slot ``j`` (training mode) on the blocks ``z`` of its level."""
         lv, bn = self.geo.levels[self.chain.slot_levels[j]], self.slots[j]
+        if needs_sync(bn):  # DDP: the moments of every process's pixels, one differentiable all-reduce per slot
+            return self._synchronized(bn, z, lv)
         if self.full and self.level_masks(lv).count > 0:
             y, m = blocks_batch_norm(bn, z, lv, self.level_masks(lv))
         else:
@@ -122,6 +120,18 @@ class _ListNorm:
         if m is not None:  # else nn.BatchNorm2d's kernel updated the running statistics itself
             update_running_stats(bn, m)
         return y
+
+    def _synchronized(self, bn: torch.nn.SyncBatchNorm, z: torch.Tensor, lv: Level) -> torch.Tensor:
+        """Slot ``bn`` with the moments of the union of every process's counted pixels (a process without any still
+        takes part: every process issues the same collectives, slot by slot)."""
+        if self.full:
+            lm = self.level_masks(lv)
+            local = region_moments(z, lv, lm) if lm.count > 0 else None
+        else:
+            local = list_moments(z, region_weights(self.blist, lv, mask_at_stride(self.mask, lv.stride)))
+        m = sync_moments(bn, local, z)
+        update_running_stats(bn, m)
+        return normalize(bn, z, m)
 
     def relu_zero(self, a: torch.Tensor, level: Level) -> torch.Tensor:
         """ReLU, block pixels outside ``level``'s map zeroed (the dense twin's padding for the next convolution);

@@ -29,6 +29,8 @@ __all__ = [
     "Moments",
     "batch_norm_native",
     "blocks_batch_norm",
+    "list_moments",
+    "normalize",
     "uses_batch_stats",
     "region_moments",
     "region_batch_norm",
@@ -173,14 +175,11 @@ def blocks_batch_norm(bn: nn.BatchNorm2d, z: torch.Tensor, level: Level, masks: 
     return region_batch_norm(bn, z, level, masks)
 
 
-def list_batch_norm(bn: nn.BatchNorm2d, z: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, Moments]:
-    """``bn`` applied to all of ``z [capacity, C, e_h, e_w]`` (a padded block list's blocks) with the batch
-    moments of the pixels where ``weights [capacity, 1, e_h, e_w]`` is set (the active rows' tile regions, in-map
-    pixels: the capacity path's rows past the count are left out), without a host read: the count is a device
-    tensor and an empty list gives zero moments (the caller's running statistics then stay as they are). The
-    same statistics as :func:`region_batch_norm`'s; the gradient is autograd's of the moments, which is the one
-    :class:`_RegionBatchNorm` writes out (``z`` outside the weights - a padding row, even an unwritten one - gets
-    none through the moments, and its values never reach them)."""
+def list_moments(z: torch.Tensor, weights: torch.Tensor) -> Moments:
+    """The moments (differentiable, in at least float32) of the pixels of ``z [capacity, C, e_h, e_w]`` (a padded
+    block list's blocks) where ``weights [capacity, 1, e_h, e_w]`` is set, without a host read: the count is a device
+    tensor, and no pixel gives zero moments. Values outside the weights - a padding row, even an unwritten one -
+    never reach them."""
     acc = torch.promote_types(z.dtype, torch.float32)
     on = weights > 0
     zc = torch.where(on, z, 0).to(acc)
@@ -188,12 +187,24 @@ def list_batch_norm(bn: nn.BatchNorm2d, z: torch.Tensor, weights: torch.Tensor) 
     denom = n.clamp_min(1)
     mean = zc.sum((0, 2, 3)) / denom
     d = torch.where(on, zc - mean.view(1, -1, 1, 1), 0)
-    var = (d * d).sum((0, 2, 3)) / denom
-    inv = torch.rsqrt(var + bn.eps)
-    scale = inv if not bn.affine else bn.weight.to(acc) * inv
-    shift = -mean * scale if not bn.affine else bn.bias.to(acc) - mean * scale
-    y = torch.addcmul(shift.view(1, -1, 1, 1).to(z.dtype), z, scale.view(1, -1, 1, 1).to(z.dtype))
-    return y, Moments(mean=mean.detach(), var=var.detach(), count=n)
+    return Moments(mean=mean, var=(d * d).sum((0, 2, 3)) / denom, count=n)
+
+
+def normalize(bn: nn.BatchNorm2d, z: torch.Tensor, m: Moments) -> torch.Tensor:
+    """``bn`` applied to ``z`` with the moments ``m`` (the gradient flows through them where they carry one)."""
+    s, t = scale_shift(bn, m.mean, m.var)
+    return torch.addcmul(t.view(1, -1, 1, 1).to(z.dtype), z, s.view(1, -1, 1, 1).to(z.dtype))
+
+
+def list_batch_norm(bn: nn.BatchNorm2d, z: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, Moments]:
+    """``bn`` applied to all of ``z [capacity, C, e_h, e_w]`` (a padded block list's blocks) with the batch
+    moments of the pixels where ``weights`` is set (:func:`list_moments`: the active rows' tile regions, in-map
+    pixels; the capacity path's rows past the count are left out), without a host read; an empty list gives zero
+    moments (the caller's running statistics then stay as they are). The same statistics as
+    :func:`region_batch_norm`'s; the gradient is autograd's of the moments, which is the one
+    :class:`_RegionBatchNorm` writes out (``z`` outside the weights gets none through the moments)."""
+    m = list_moments(z, weights)
+    return normalize(bn, z, m), Moments(mean=m.mean.detach(), var=m.var.detach(), count=m.count)
 
 
 def combine_moments(parts: list[Moments]) -> Moments:

@@ -4,7 +4,8 @@ Two CPU processes (gloo) each run a sparse residual unit on their half of a batc
 masks (one process has no active block at all in the second case; in the third, one process splits its
 blocks into several chunks under a tiny memory budget - statistics passes - while the other runs one chunk,
 so their collectives must come in the same order); outputs, weight gradients and running statistics must
-equal one process running the whole batch.
+equal one process running the whole batch. On the exact path and on the capacity path, with lists of the counts
+(the CPU's) and lists padded past them (a GPU's).
 """
 
 from __future__ import annotations
@@ -40,7 +41,18 @@ def _data():
     return x, mask
 
 
-def _worker(rank: int, world: int, port: int, empty_rank1: bool, out_dir: str, chunked_rank0: bool = False) -> None:
+def _capacity(unit: SparseResidualUnit, x: torch.Tensor, mask: torch.Tensor, padded: bool) -> torch.Tensor:
+    """The unit on the capacity path: a list of the count, or of every block of the grid (padding rows)."""
+    from detector.nn import capacity as cp
+
+    m = unit.binary(mask)
+    everything = cp.chain_list(unit, m, unit.block_size, 10**6)
+    rows = everything.capacity if padded else max(int(everything.count), 1)
+    return cp.chain_capacity(unit, x, cp.chain_list(unit, m, unit.block_size, rows), m)
+
+
+def _worker(rank: int, world: int, port: int, empty_rank1: bool, out_dir: str, chunked_rank0: bool = False,
+            path: str = "exact") -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
@@ -51,7 +63,7 @@ def _worker(rank: int, world: int, port: int, empty_rank1: bool, out_dir: str, c
         if empty_rank1:
             mask[2:] = 0
         xs, ms = x[2 * rank : 2 * rank + 2], mask[2 * rank : 2 * rank + 2]
-        y = unit(xs, ms)
+        y = unit(xs, ms) if path == "exact" else _capacity(unit, xs, ms, padded=path == "padded")
         y.pow(2).sum().backward()
         grads = {k: p.grad for k, p in unit.named_parameters()}
         for g in grads.values():  # DDP averages gradients; we sum them (the loss is a sum)
@@ -63,10 +75,14 @@ def _worker(rank: int, world: int, port: int, empty_rank1: bool, out_dir: str, c
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("empty_rank1, chunked_rank0", [(False, False), (True, False), (False, True)])
-def test_sparse_unit_statistics_are_synchronized_across_processes(tmp_path, empty_rank1, chunked_rank0):
-    port = 29500 + (os.getpid() % 1000) + int(empty_rank1) + 2 * int(chunked_rank0)
-    mp.spawn(_worker, args=(2, port, empty_rank1, str(tmp_path), chunked_rank0), nprocs=2, join=True)
+CASES = [(False, False, "exact"), (True, False, "exact"), (False, True, "exact"), (False, False, "counts"),
+         (True, False, "counts"), (False, False, "padded"), (True, False, "padded")]
+
+
+@pytest.mark.parametrize("empty_rank1, chunked_rank0, path", CASES)
+def test_sparse_unit_statistics_are_synchronized_across_processes(tmp_path, empty_rank1, chunked_rank0, path):
+    port = 29500 + (os.getpid() % 1000) + 10 * CASES.index((empty_rank1, chunked_rank0, path))
+    mp.spawn(_worker, args=(2, port, empty_rank1, str(tmp_path), chunked_rank0, path), nprocs=2, join=True)
     ref = _unit().train()
     x, mask = _data()
     if empty_rank1:
