@@ -202,7 +202,7 @@ def choose(inputs: Sequence[StageInput], cost: CostModel, training: bool, path: 
     """THE decision (pure): per stage its set value, or for 'auto' the option of least estimated cost
     (dense first, then the tiles in increasing order; a later option must be strictly cheaper) on ``path``
     ('exact': the sparse ops sized by the counts; 'capacity': bounded block lists, :mod:`detector.nn.capacity`,
-    of a bucket's rows or, ``buckets`` False, of the counts')."""
+    of a bucket's rows or, ``buckets`` False, of the counts)."""
     inputs = settle(inputs)
     choices, estimates, macs = [], [], []
     for inp in inputs:
