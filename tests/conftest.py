@@ -74,3 +74,13 @@ def kitti_real() -> Path:
     if not (KITTI_REAL / "training" / "velodyne").is_dir():
         pytest.skip("../shared/kitti_real (real KITTI frames) not present")
     return KITTI_REAL
+
+
+@pytest.fixture
+def cuda_lists(monkeypatch):
+    """The block lists a GPU runs - a bucket's rows, the count never read inside the network - on the CPU, which
+    stands in for the device (off CUDA the lists hold the count, read once per list)."""
+    from detector.nn import capacity, plan
+
+    for module in (capacity, plan):
+        monkeypatch.setattr(module, "uses_buckets", lambda device: True)

@@ -415,7 +415,8 @@ def test_score_threshold_counts_draws_and_filters_when_asked(car_root, scoring_c
     grid = load_detector(scoring_ckpt)[0].grid  # picture_size: pixels on the map's long side, the legend under it
     x_ext, y_ext = grid.x_range[1] - grid.x_range[0], grid.y_range[1] - grid.y_range[0]
     img = np.asarray(o3d.io.read_image(str(out / "bev" / "000003.png")))
-    assert img.shape[1] == round(300 * y_ext / max(x_ext, y_ext)) and img.shape[0] > round(300 * x_ext / max(x_ext, y_ext))
+    longest = max(x_ext, y_ext)
+    assert img.shape[1] == round(300 * y_ext / longest) and img.shape[0] > round(300 * x_ext / longest)
     assert "XDG_RUNTIME_DIR" not in r.stderr and "error" not in r.stderr.lower(), r.stderr
     # an untrained head scores every box under 0.3: none counted, all 20 in the files, none drawn
     assert "1 frame(s), boxes scored >= 0.3: none; the files hold all 20 decoded (scores >= 0)" in r.stdout

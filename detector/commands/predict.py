@@ -67,7 +67,8 @@ USAGE = __doc__
 
 DEFAULTS: dict[str, Any] = {
     "ckpt_path": None, "input": None, "out": None, "format": "auto", "calib": None, "image": None, "mask": None,
-    "skip_bad": False, "drop_nonfinite": False, "intensity_scale": 1.0, "fov_only": True, "picture": "bev", "picture_size": 1000,
+    "skip_bad": False, "drop_nonfinite": False, "intensity_scale": 1.0, "fov_only": True, "picture": "bev",
+    "picture_size": 1000,
     "score_threshold": 0.3, "filter_files": False, "overwrite": False, "device": "auto", "inference_path": None,
     "block_size": None,
 }
@@ -304,8 +305,9 @@ def predict(args: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"{key}= is required (see --help)")
     if args["picture"] not in PICTURES:
         raise ConfigError(f"picture={args['picture']!r}: choose {', '.join(PICTURES)}")
-    if isinstance(args["picture_size"], bool) or not isinstance(args["picture_size"], int) or args["picture_size"] < 200:
-        raise ConfigError(f"picture_size={args['picture_size']!r}: pixels on the map's long side, an integer >= 200")
+    size = args["picture_size"]
+    if isinstance(size, bool) or not isinstance(size, int) or size < 200:
+        raise ConfigError(f"picture_size={size!r}: pixels on the map's long side, an integer >= 200")
     if args["device"] not in ("auto", "cpu", "cuda") and not str(args["device"]).startswith("cuda:"):
         raise ConfigError(f"device={args['device']!r}: choose auto, cpu or cuda")
     if args["image"] is not None and args["calib"] is None:

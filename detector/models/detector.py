@@ -15,9 +15,9 @@ by the active blocks (read by the host per stage: on a GPU a sync per stage and 
 *capacity* one (:mod:`detector.nn.capacity`) on block lists of bounded sizes made on the device, with one host read
 of the plan's counts per batch and none inside the network; its inference is captured as a CUDA graph per (shape,
 plan, buckets) on a GPU. Both give the same values, gradients and running statistics; ``auto`` takes the capacity
-path on a GPU (launch- and sync-bound there) and the exact one on the CPU (no syncs to save). Where the capacity path's inference runs on a
-GPU, the dense network (no mask) is captured as a graph too: a sparse plan is priced, and measured, against the best
-dense.
+path on a GPU (launch- and sync-bound there) and the exact one on the CPU (no syncs to save). Where the capacity
+path's inference runs on a GPU, the dense network (no mask) is captured as a graph too: a sparse plan is priced, and
+measured, against the best dense.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ mask's pixels are written - the exact path's values, whatever the tile.
 Training: a batch norm in training mode is not folded; its convolution runs unfused and the BN takes the batch
 moments of the level's mask pixels in the active rows' tile regions (padding rows left out, the count a device
 tensor: no read), as the exact path's statistics do; the backward is autograd's through the ops. Synchronized BN
-across processes (DDP): each slot's moments of this process's pixels, all-reduced (:func:`~detector.nn.norm.sync_moments`).
+across processes (DDP): each slot's moments of this process's pixels, all-reduced
+(:func:`~detector.nn.norm.sync_moments`).
 
 Capacity overflow (a list shorter than the active blocks, e.g. a graph captured for a smaller bucket) is never
 silent: every list's ``overflow`` flag is OR-ed on the device into the returned flag, and :func:`run_checked`
@@ -38,14 +39,30 @@ from dataclasses import replace
 import torch
 
 from detector.ops import sparse_gather
-from detector.ops.capacity import (BlockList, gather_windows, level_valid, reduce_mask_capacity, scatter_padded,
-                                   uses_buckets)
+from detector.ops.capacity import (
+    BlockList,
+    gather_windows,
+    level_valid,
+    reduce_mask_capacity,
+    scatter_padded,
+    uses_buckets,
+)
 from detector.ops.fused import conv_blocks, conv_scatter
 
 from .chain import SparseConvChain, zeros_in_layout
 from .geometry import ChainGeometry, Level, LevelMasks, level_masks, mask_at_stride, zero_pixels
-from .norm import (blocks_batch_norm, list_batch_norm, list_moments, needs_sync, normalize, region_moments,
-                   running_scale_shift, sync_moments, update_running_stats, uses_batch_stats)
+from .norm import (
+    blocks_batch_norm,
+    list_batch_norm,
+    list_moments,
+    needs_sync,
+    normalize,
+    region_moments,
+    running_scale_shift,
+    sync_moments,
+    update_running_stats,
+    uses_batch_stats,
+)
 from .plan import AUTO, DENSE, Plan, StageInput, list_rows, settle
 
 __all__ = ["chain_capacity", "stage_capacity", "plan_capacities", "forward_capacity", "run_checked",

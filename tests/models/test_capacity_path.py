@@ -19,7 +19,7 @@ from detector.nn.cost import CostModel
 from detector.nn.plan import Planner
 from detector.nn.resnet import SparseResNet
 from tests.models.test_detector import GRID, _batch
-from tests.nn.test_capacity import SYNCS, _Calls, cuda_lists  # noqa: F401 - a fixture
+from tests.nn.test_capacity import SYNCS, _Calls
 
 # a hand-set cost model (no calibration in the tests): sparse cheap per block, so 'auto' picks tiles on sparse
 # masks; the capacity path's fixed cost above the exact one's

@@ -174,16 +174,6 @@ def _assert_same_training(exact, cap, got, want):
         torch.testing.assert_close(ba, bb, rtol=1e-9, atol=1e-9, msg=name)
 
 
-@pytest.fixture
-def cuda_lists(monkeypatch):
-    """The block lists a GPU runs - a bucket's rows, the count never read inside the network - on the CPU, which
-    stands in for the device (off CUDA the lists hold the count, read once per list)."""
-    from detector.nn import plan
-
-    for module in (cp, plan):
-        monkeypatch.setattr(module, "uses_buckets", lambda device: True)
-
-
 @pytest.mark.parametrize("rows", ["counts", "padded"])  # the CPU's lists (every row active), a GPU's (padding rows)
 @pytest.mark.parametrize("preact,bottleneck", [(False, True), (True, True), (False, False), (True, False)])
 @pytest.mark.parametrize("p", [0.985, 1.0, 0.0])  # some blocks, none (K = 0), all
