@@ -154,33 +154,26 @@ def step_breakdown(ckpts: dict[str, str], root: str, steps: int, settings: dict[
         runs[name] = (model, batches, torch.optim.AdamW(model.parameters(), lr=1e-5), acc)
     for i in range(warmup + steps):
         for model, batches, opt, acc in runs.values():
-            if not train:
-                t0 = time.perf_counter()
-                with torch.no_grad():
-                    out = model(batches[i])
-                t1 = time.perf_counter()
-                if i >= warmup:
-                    for k, v in {**out.times, "forward": t1 - t0, "step": t1 - t0}.items():
-                        if k != "start":
-                            acc.setdefault(k, []).append(v)
-                continue
             t0 = time.perf_counter()
-            out = model(batches[i])
+            with torch.set_grad_enabled(train):
+                out = model(batches[i])
             t1 = time.perf_counter()
-            loss, _ = model.loss(out, batches[i])
-            t2 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            t3 = time.perf_counter()
-            opt.step()
-            t4 = time.perf_counter()
+            parts = {"forward": t1 - t0, "step": t1 - t0}
+            if train:
+                loss, _ = model.loss(out, batches[i])
+                t2 = time.perf_counter()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                t3 = time.perf_counter()
+                opt.step()
+                t4 = time.perf_counter()
+                parts = {"forward": t1 - t0, "loss": t2 - t1, "backward": t3 - t2, "optimizer": t4 - t3,
+                         "step": t4 - t0}
             if i < warmup:
                 continue
-            times = {k: v for k, v in out.times.items() if k != "start"}
-            parts = {**times, "forward": t1 - t0, "loss": t2 - t1, "backward": t3 - t2, "optimizer": t4 - t3,
-                     "step": t4 - t0}
-            for k, v in parts.items():
-                acc.setdefault(k, []).append(v)
+            for k, v in {**out.times, **parts}.items():
+                if k != "start":
+                    acc.setdefault(k, []).append(v)
     return {name: {k: round(statistics.median(v) * 1e3, 1) for k, v in acc.items()}
             for name, (_, _, _, acc) in runs.items()}
 
