@@ -72,6 +72,8 @@ def decode_kwargs(model_cfg: DictConfig) -> dict[str, Any]:
 _MOVED_TARGETS = {"detector.data.voxelize.BevGrid": "detector.geometry.voxelize.BevGrid"}
 # A mask config saved before ``mask.schedule``: its schedule's keys beside ``net``, and what build_model then took
 # for one the config did not hold.
+# Model settings a checkpoint may hold that no longer exist: how it ran, never what it computed.
+_RETIRED_MODEL_KEYS = ("inference_path", "train_path")
 _OLD_SCHEDULE = {"train_source": "union", "warmup_steps": 0, "train_threshold": None, "train_threshold_steps": 0,
                  "union_dilation_m": None}
 
@@ -81,7 +83,9 @@ def current_layout(saved: dict) -> dict:
     the model it trained: a class that moved (:data:`_MOVED_TARGETS`); a model node without ``_target_`` (the
     detector was assembled in code, which gave the backbone ``block_size`` and ``plan`` - ``dense`` and none for a
     dense model - the coder ``classes``, and took ``head_block_size`` 16 where the config had none); mask settings
-    beside ``net`` instead of in ``mask.schedule`` (:data:`_OLD_SCHEDULE`). Today's layout is returned as it is."""
+    beside ``net`` instead of in ``mask.schedule`` (:data:`_OLD_SCHEDULE`); the settings of a retired second sparse
+    path and its chunking (:data:`_RETIRED_MODEL_KEYS`: the values never depended on them). Today's layout is
+    returned as it is."""
     cfg = copy.deepcopy(saved)
     bev = cfg.get("bev")
     if isinstance(bev, dict) and bev.get("_target_") in _MOVED_TARGETS:
@@ -94,6 +98,11 @@ def current_layout(saved: dict) -> dict:
         model["backbone"] = {**model["backbone"], "block_size": model["block_size"] if sparse else "dense",
                              "planner": model.get("plan") if sparse else None}
         model["coder"] = {**model["coder"], "classes": list(model["classes"])}
+    if isinstance(model, dict):
+        for key in _RETIRED_MODEL_KEYS:
+            model.pop(key, None)
+        if isinstance(model.get("backbone"), dict):
+            model["backbone"].pop("memory_budget_mb", None)
     mask = cfg.get("mask")
     if isinstance(mask, dict) and "schedule" not in mask:
         old = {k: mask.pop(k, default) for k, default in _OLD_SCHEDULE.items()}
@@ -126,14 +135,13 @@ def _trained_net(net_cfg: DictConfig, saved_net: dict, ckpt_path: str | Path) ->
 
 
 def load_detector(ckpt_path: str | Path, mask_override: str | DictConfig | None = None,
-                  inference_path: str | None = None, block_size: int | str | None = None
-                  ) -> tuple[BevDetector, DictConfig]:
+                  block_size: int | str | None = None) -> tuple[BevDetector, DictConfig]:
     """Rebuild the detector from a checkpoint's saved config and load its weights (weights_only).
 
     ``mask_override``: a mask config (``eval.yaml``'s ``mask=...`` group) or its name; None keeps the
     checkpoint's. A mask net the checkpoint did not train (e.g. ``mask=predicted`` on a ``road_map``
     checkpoint) is an error; a mask net it trained but the override does not use is dropped.
-    ``inference_path`` and ``block_size`` (the backbone's, neck's and head's: a tile, ``dense`` or ``auto``): how the
+    ``block_size`` (the backbone's, neck's and head's: a tile, ``dense`` or ``auto``): how the
     sparse network runs, in place of the checkpoint's - the detections are the same every way, only the time
     differs (the mask defines the function, :mod:`detector.nn.chain`)."""
     ckpt = load_checkpoint(ckpt_path)
@@ -141,8 +149,6 @@ def load_detector(ckpt_path: str | Path, mask_override: str | DictConfig | None 
     if not saved:
         raise ConfigError(f"{ckpt_path}: checkpoint has no saved config (was it written by scripts/train.py?)")
     cfg = OmegaConf.create(current_layout(saved))
-    if inference_path is not None:
-        cfg.model.inference_path = inference_path
     if block_size is not None:
         block_size = check_setting(int(block_size) if str(block_size).isdigit() else block_size, "block_size")
         cfg.model.block_size = cfg.model.head_block_size = cfg.model.backbone.block_size = block_size

@@ -2,9 +2,10 @@
 
 :class:`DeployNet` is what is exported: BEV tensor ``[B, C, H, W]`` (+ the computation mask ``[B, 1, H, W]``
 when the mask comes from the data) -> heatmap logits and regression, through the detector's own
-:meth:`~detector.models.detector.BevDetector.sparse_maps` (the sbnet ops in the graph) with the execution
-plan frozen at export (``block_size=auto`` is planned once on the example input). The batch size and the
-number of active blocks are dynamic; the BEV grid is fixed. Decoding (top-k, NMS) stays in Python.
+:meth:`~detector.models.detector.BevDetector.capacity_maps` (the sbnet ops in the graph) on lists of exactly
+the active blocks, with the execution plan frozen at export (``block_size=auto`` is planned once on the example
+input). The batch size and the number of active blocks are dynamic; the BEV grid is fixed. Decoding (top-k, NMS)
+stays in Python.
 
 - ``.pt2``: :func:`export_program`; ``torch.export.load`` loads it after ``import detector`` (which loads the
   built sbnet kernels: the program calls ``torch.ops.sbnet.*``; run ``make kernels`` first, or torch's loader
@@ -67,7 +68,9 @@ class DeployNet(nn.Module):
         if self.source == "net":
             mask = m.mask_net.computation_mask(m.mask_net(bev), bev.shape[-2:])
         mask = mask.to(bev.dtype)
-        return m.sparse_maps(bev, mask, masks_at_strides(mask, m.neck.strides), self.modes)
+        heat, reg, _, _ = m.capacity_maps(bev, mask, masks_at_strides(mask, m.neck.strides), self.modes,
+                                          [None] * len(self.modes))  # lists of the active blocks: a dynamic count
+        return heat, reg
 
     @property
     def takes_mask(self) -> bool:
@@ -87,7 +90,7 @@ def example_inputs(model: BevDetector, batch: int = 2, active: float = 0.3, seed
 def freeze_modes(model: BevDetector, bev: torch.Tensor, mask: torch.Tensor) -> list[int | str]:
     """The execution modes (tile or dense per sparse stage); an ``auto`` setting is planned on this input."""
     with torch.no_grad():
-        modes, _ = model.execution_modes(tuple(bev.shape), mask, masks_at_strides(mask, model.neck.strides))
+        modes, _, _ = model.capacity_plan(tuple(bev.shape), mask, masks_at_strides(mask, model.neck.strides))
     return list(modes)
 
 

@@ -12,8 +12,6 @@ and an active-tile share per stage, the tensors that are alive at the peak:
   reads); the peak is the end of the forward (the backward frees saved maps as it makes gradients);
 - inference: the input, the stage outputs the neck reads later and the largest chain's working set (its input
   and output maps, gathered blocks, two block tensors of its widest level; a dense conv's input reorder);
-- chunking: a chain whose blocks exceed ``memory_budget_mb`` is processed in chunks (its working set is one chunk;
-  in training only the output tiles are kept, the rest is recomputed);
 - the mask network (``mask=predicted``) at its 1/d resolution: its logits, and in training its pooled input and
   two maps per conv-BN-ReLU saved for backward.
 
@@ -81,7 +79,7 @@ def _count(chain: SparseConvChain, hw: tuple[int, int], mask: torch.Tensor | Non
     them (None without a mask)."""
     if mask is None:
         return None
-    return chain.active_blocks(mask).count
+    return chain.active_blocks(mask).capacity
 
 
 def _chains(model: BevDetector, shares: Sequence[float], dense: bool, mask: torch.Tensor | None = None
@@ -131,17 +129,13 @@ def _chain_bytes(c: _Chain, N: int, f: int, train: bool) -> tuple[int, int, int]
     tiles = K * chans[-1] * geo.tile[0] * geo.tile[1] * f
     identity = ch.shortcut == "identity"
     new_map = 0 if identity else out_map  # identity units write into their input (the stage's own map)
-    chunk = ch.chunk_blocks(geo, f)
-    if K > chunk:  # chunked: one chunk's working set (the same block tensors as one pass: its output tiles are
-        # the last level's blocks, already among them) into a new output map (a copy of x for an identity unit);
-        # training keeps all output tiles (the chunks are recomputed in backward)
-        scale = chunk / K
-        work = maps[0] + int(scale * (blocks[0] + 2 * max(blocks[1:]))) + out_map
-        return (tiles + out_map if train else 0), work + (tiles if train else 0), out_map
     # training saves the gathered input, per conv-BN-ReLU the conv output (BN keeps it) and the ReLU output (the
-    # next conv keeps it), and a residual unit's output tiles; not the output map: the scatter's backward needs
+    # next conv keeps it), a residual unit's output tiles and a post-activation projection's gathered input; not the output map: the scatter's backward needs
     # none, and the maps still alive at the end of the forward are the ones a later layer reads (estimate: kept)
     saved = blocks[0] + 2 * sum(blocks[1:]) + (tiles if identity or ch.proj is not None else 0)
+    if ch.proj is not None and not ch.preact:  # the projection's own gather: its tile's input pixels at stride S
+        S = ch.stride
+        saved += K * chans[0] * ((geo.tile[0] - 1) * S + 1) * ((geo.tile[1] - 1) * S + 1) * f
     # working set: the input map, its gathered blocks, two block tensors of the widest level, the projection's tiles
     # (computed first, alive until the scatter) and the output map
     proj = tiles if ch.proj is not None else 0

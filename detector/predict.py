@@ -75,14 +75,13 @@ class Predictor:
 
     @classmethod
     def from_checkpoint(cls, ckpt_path: str | Path, mask: str | Any | None = None, device: str | None = None,
-                        inference_path: str | None = None, block_size: int | str | None = None
-                        ) -> tuple[Predictor, Any]:
+                        block_size: int | str | None = None) -> tuple[Predictor, Any]:
         """``(predictor, config)`` of a checkpoint (weights_only); ``mask``: a mask config (or its name) in place of
-        the checkpoint's; ``device`` None: CUDA where available, else the CPU; ``inference_path``, ``block_size``:
+        the checkpoint's; ``device`` None: CUDA where available, else the CPU; ``block_size``:
         how the sparse network runs, in place of the checkpoint's (:func:`detector.build.load_detector`)."""
         from detector.build import load_detector
 
-        model, cfg = load_detector(ckpt_path, mask, inference_path, block_size)
+        model, cfg = load_detector(ckpt_path, mask, block_size)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         return cls.from_config(model, cfg, device), cfg
 

@@ -319,22 +319,22 @@ def _flat_hparams(config: dict, prefix: str = "") -> dict[str, Any]:
 @torch.no_grad()
 def evaluate_checkpoint(ckpt_path: str | Path, data_cfg: DictConfig, out_dir: str | Path, split: str,
                         mask_override: str | DictConfig | None = None, write_results: bool = True,
-                        device: str | None = None, backend: str = "eager", inference_path: str | None = None,
-                        block_size: int | str | None = None) -> dict[str, Any]:
+                        device: str | None = None, backend: str = "eager", block_size: int | str | None = None
+                        ) -> dict[str, Any]:
     """Run a checkpoint over ``split`` of ``data_cfg.root`` with the checkpoint's decode settings (those
     validation used) through :class:`detector.predict.Predictor` (the code path predict and visualize run); print
     the table (KITTI's, or the LiDAR-only one) and, where the mask was empty or every AP is 0, one line saying what
     to check; write metrics.json and (``write_results``) the result files ``out_dir/data`` and the ground truth
     they were scored against ``out_dir/label_2`` (both filtered by :func:`detector.module.frame_records`, the
     translation validation uses): ``scripts/kitti_eval.py`` on the two folders prints the same table.
-    ``inference_path``, ``block_size``: :func:`load_detector`'s. The plan's cost model is loaded (or calibrated)
+    ``block_size``: :func:`load_detector`'s. The plan's cost model is loaded (or calibrated)
     before the timed loop, so ``_run.time_ms_per_frame.plan`` holds the planning alone (``_run.plan_cost_model_ms``:
     the load).
     Returns the metric JSON."""
     from detector.predict import Predictor
 
     device = device or ("cuda" if torch.cuda.is_available() and backend == "eager" else "cpu")
-    predictor, cfg = Predictor.from_checkpoint(ckpt_path, mask_override, device, inference_path, block_size)
+    predictor, cfg = Predictor.from_checkpoint(ckpt_path, mask_override, device, block_size)
     model, sparse = predictor.model, bool(cfg.model.sparse)
     if backend != "eager":  # the exported network (detector/export.py), masked and decoded the same way
         predictor.use_backend(backend, sparse, Path(out_dir) / backend)
@@ -533,7 +533,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     # ``mask=<name>`` on the command line selects eval.yaml's optional mask group (None: the checkpoint's).
     return evaluate_checkpoint(cfg.ckpt_path, data_cfg, out_dir, split=split, mask_override=cfg.get("mask"),
                                write_results=cfg.write_results, backend=cfg.get("backend", "eager"),
-                               inference_path=cfg.get("inference_path"), block_size=cfg.get("block_size"))
+                               block_size=cfg.get("block_size"))
 
 
 def _warn_trained_frames(root: Any, split: str, saved_data: dict) -> None:

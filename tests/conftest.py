@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -76,11 +78,23 @@ def kitti_real() -> Path:
     return KITTI_REAL
 
 
-@pytest.fixture
-def cuda_lists(monkeypatch):
-    """The block lists a GPU runs - a bucket's rows, the count never read inside the network - on the CPU, which
-    stands in for the device (off CUDA the lists hold the count, read once per list)."""
-    from detector.nn import capacity, plan
+@contextlib.contextmanager
+def gpu_lists(on: bool = True):
+    """The block lists a GPU runs - a bucket's rows, padding rows past the count, the count never read inside the
+    network - on the CPU, which stands in for the device (off CUDA the lists hold exactly the active blocks)."""
+    from detector.nn import capacity, chain, plan
 
-    for module in (capacity, plan):
-        monkeypatch.setattr(module, "uses_buckets", lambda device: True)
+    if not on:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for module in (capacity, chain, plan):
+            stack.enter_context(mock.patch.object(module, "uses_buckets", lambda device: True))
+        yield
+
+
+@pytest.fixture
+def cuda_lists():
+    """:func:`gpu_lists` for a whole test."""
+    with gpu_lists():
+        yield

@@ -379,20 +379,16 @@ def test_predict_equals_evaluate_on_a_real_kitti_frame(kitti_real, scoring_ckpt,
     assert used[0] < used[1]
 
 
-def test_inference_path_override(predicted_ckpt, tmp_path, capsys):
-    """inference_path=capacity runs the checkpoint on the capacity path; a bad value is one line naming the key,
-    with nothing written."""
+def test_bad_block_size_is_one_line_naming_the_key(predicted_ckpt, tmp_path, capsys):
+    """``block_size=`` a value that is no tile, dense or auto: one line naming the key, with nothing written (the values
+    that run: tests/commands/test_execution_invariance.py)."""
     good = tmp_path / "good"
     good.mkdir()
     write_point_cloud(good / "000001.bin", _scan())
-    rc, _, err = _run(capsys, f"ckpt_path={predicted_ckpt}", f"input={good}", f"out={tmp_path / 'cap'}",
-                      "inference_path=capacity")
-    assert rc == 0, err
-    assert json.loads((tmp_path / "cap" / "summary.json").read_text())["frames"] == 1
     rc, _, err = _run(capsys, f"ckpt_path={predicted_ckpt}", f"input={good}", f"out={tmp_path / 'bad'}",
-                      "inference_path=fast")
+                      "block_size=fast")
     lines = err.strip().splitlines()
-    assert rc == 1 and len(lines) == 1 and "model.inference_path" in lines[0] and _files(tmp_path / "bad") == []
+    assert rc == 1 and len(lines) == 1 and "block_size" in lines[0] and _files(tmp_path / "bad") == []
 
 
 # --- score_threshold, the output folder, the 3D picture's console (issue 52) ----------------------------------------

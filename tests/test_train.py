@@ -253,24 +253,25 @@ def test_readme_default_run_trains_the_mask_net_on_its_own_prediction(tmp_path, 
     assert ckpt["global_step"] == 2 and any(k.startswith("model.mask_net.") for k in ckpt["state_dict"])
 
 
-def test_capacity_path_trains_through_the_application(tmp_path, tiny_root):
-    """The default run with model.train_path=capacity (what auto picks on a GPU) on a tiny set: Lightning's steps
-    on the block lists reach the weights and running statistics of the same run on the exact path (same seed, same
-    batches; the lists' batch norm equals the exact path's region statistics, up to float32 rounding)."""
+def test_block_lists_train_what_the_masked_dense_network_trains(tmp_path, tiny_root):
+    """The default run on a tiny set: Lightning's steps on the block lists reach the weights and running statistics
+    of the same run with every stage dense - whole maps, each unit's mask applied - (same seed, same batches; the
+    lists' batch norm equals the mask pixels' statistics, up to float32 rounding)."""
     states = {}
-    for path in ("exact", "capacity"):
+    for path in ("lists", "dense"):
+        ways = ["model.block_size=dense", "model.head_block_size=dense"] if path == "dense" else []
         cfg = _cfg(tmp_path / path, tiny_root, "trainer.max_epochs=2", "trainer.max_steps=3",
                    "callbacks.model_checkpoint.monitor=null", "evaluate_after=false", "logger=none",
                    # plain SGD: a step moves each weight by lr x its gradient (Adam's normalization would blow the
                    # float32 rounding of a near-zero gradient up to a step of lr)
-                   "optimizer._target_=torch.optim.SGD", "optimizer.weight_decay=0", f"model.train_path={path}")
+                   "optimizer._target_=torch.optim.SGD", "optimizer.weight_decay=0", *ways)
         result = train(cfg)
         ckpt = load_checkpoint(result["best_ckpt"])
         assert ckpt["global_step"] == 3
         states[path] = ckpt["state_dict"]
-    assert states["exact"].keys() == states["capacity"].keys()
-    for k, v in states["exact"].items():
-        torch.testing.assert_close(states["capacity"][k], v, rtol=1e-4, atol=1e-5, msg=k)
+    assert states["dense"].keys() == states["lists"].keys()
+    for k, v in states["dense"].items():
+        torch.testing.assert_close(states["lists"][k], v, rtol=1e-4, atol=1e-5, msg=k)
 
 
 def test_mask_train_threshold_phase_then_the_inference_threshold(tmp_path, tiny_root):

@@ -6,17 +6,17 @@
 
 - ``units``: the bottleneck unit of stage 1 at bev=kitti (400 x 352 x 96, 24 mid channels), a random tile mask at
   each sparsity; forward: dense eager, dense captured, dense ``torch.compile(mode="reduce-overhead")`` (``compile``),
-  sparse exact path, sparse capacity path eager and captured; forward + backward (training-mode BN): dense vs the
-  exact sparse path and the capacity path. Ratios against the faster dense; the floor beside them: the dense and the
+  sparse on a list of the count (eager), on a bucket eager and captured; forward + backward (training-mode BN): dense
+  vs the list of the count and the bucket. Ratios against the faster dense; the floor beside them: the dense and the
   active blocks' MACs (halos included) and their quotient, the halo bound.
 - ``backbone``: the default model's backbone at bev=kitti (36 x 800 x 704), a blob mask (about a quarter of the map)
   at tile 16: dense eager / captured / compiled vs the capacity path captured (the plan's read and the overflow
   read included), per batch.
 - ``train``: one training step (forward + backward + SGD) of that backbone at batch 8: dense (eager, graphed,
-  compiled) vs the exact sparse path and the capacity path (eager with its plan read; forward and backward captured
+  compiled) vs a list of the count (eager) and the bucket (eager with its plan read; forward and backward captured
   as graphs, ``model.capture_train``; compiled) at tile 16.
 - ``profile``: kernels (CUDA kernel events) and host syncs (``torch.cuda.set_sync_debug_mode``'s warnings) per
-  forward of the backbone: dense, exact sparse, capacity eager, capacity captured (one graph launch).
+  forward of the backbone: dense, a list of the count, capacity eager, capacity captured (one graph launch).
 
 Without CUDA (``device=cpu``) it runs the same code on tiny shapes (``tiny=true`` is then implied): a smoke test of
 the plumbing, not a measurement. Rows go to ``out`` as JSON (a list), a markdown table to ``md``.
@@ -133,15 +133,15 @@ def bench_units(args: dict, dev: torch.device, dtype: torch.dtype, rows: list) -
             mask = tile_mask(b, H, W, tile, 1.0 - sp, 0, dev).to(dtype)
             with torch.no_grad():
                 blocks = unit.active_blocks(mask)
-                k = blocks.count
+                k = blocks.capacity  # a list of exactly the active blocks
                 modes, caps = [tile], [(bucket_for(k, b * blocks.block.num_blocks), 0)]
                 run_cap = lambda: cp.forward_capacity(net, x, mask, modes, caps)  # noqa: E731
                 graph = capture(lambda a, m: cp.forward_capacity(net, a, m, modes, caps), x, mask)
-                ms = {"sparse_exact": timed(lambda: unit(x, blocks=blocks),
+                ms = {"sparse_eager": timed(lambda: unit(x, mask=mask, blocks=blocks),
                                             dev, reps),
                       "sparse_capacity": timed(run_cap, dev, reps),
                       "sparse_capacity_graph": timed(lambda: graph(x, mask), dev, reps)}
-            # forward + backward (training-mode BN): dense vs the exact sparse path and the capacity path (the
+            # forward + backward (training-mode BN): dense vs a list of the count (eager) and the bucket (the
             # bucket of this count, as a training step plans it)
             unit.train()
             xg = x.detach().clone().requires_grad_()
@@ -156,7 +156,7 @@ def bench_units(args: dict, dev: torch.device, dtype: torch.dtype, rows: list) -
                          "capacity": caps[0][0], "dense_ms": {k2: round(v, 3) for k2, v in dense_ms.items()},
                          "best_dense_ms": round(best, 3), **{f"{k2}_ms": round(v, 3) for k2, v in ms.items()},
                          **{f"{k2}_x": _ratio(best, v) for k2, v in ms.items()},
-                         "fwd_bwd_dense_ms": round(fb_dense, 3), "fwd_bwd_sparse_exact_ms": round(fb_sparse, 3),
+                         "fwd_bwd_dense_ms": round(fb_dense, 3), "fwd_bwd_sparse_eager_ms": round(fb_sparse, 3),
                          "fwd_bwd_x": _ratio(fb_dense, fb_sparse), "fwd_bwd_sparse_capacity_ms": round(fb_cap, 3),
                          "fwd_bwd_capacity_x": _ratio(fb_dense, fb_cap), "dense_gmac": round(dm / 1e9, 3),
                          "sparse_gmac": round(smac / 1e9, 3), "halo_bound_x": _ratio(dm, smac)})
@@ -196,7 +196,7 @@ def bench_backbone(args: dict, dev: torch.device, dtype: torch.dtype, rows: list
                      "dtype": str(dtype).removeprefix("torch."), "mask": "blobs (~1/4 of the map)", "modes": modes,
                      "capacities": caps,
                      "dense_ms": {k: round(v, 3) for k, v in dense_ms.items()}, "best_dense_ms": round(best, 3),
-                     "sparse_exact_ms": round(exact_ms, 3), "capacity_graph_ms": round(cap_ms, 3),
+                     "sparse_eager_ms": round(exact_ms, 3), "capacity_graph_ms": round(cap_ms, 3),
                      "capacity_graph_fixed_buckets_ms": round(fixed_ms, 3), "capacity_graph_x": _ratio(best, cap_ms),
                      "per_frame_ms": round(cap_ms / b, 3), "exact_x": _ratio(best, exact_ms)})
 
@@ -226,7 +226,7 @@ def bench_train(args: dict, dev: torch.device, dtype: torch.dtype, rows: list) -
 
     reps = max(3, int(args["reps"]) // 2)
     ms = {"dense_ms": timed(lambda: step(lambda: net(x)), dev, reps),
-          "sparse_exact_ms": timed(lambda: step(lambda: net(x, mask)), dev, reps),
+          "sparse_eager_ms": timed(lambda: step(lambda: net(x, mask)), dev, reps),
           "sparse_capacity_ms": timed(lambda: step(capacity), dev, reps)}
     if dev.type == "cuda":  # forward and backward captured as graphs (model.capture_train), the plan read each step
         from detector.nn.capture import capture_training
@@ -315,7 +315,7 @@ def bench_profile(args: dict, dev: torch.device, dtype: torch.dtype, rows: list)
     run = CapturedBackbone(net)
     with torch.no_grad():
         modes, caps = cp.plan_capacities(net, x, mask)
-        cases = {"dense": lambda: net(x), "sparse exact, tile 16": lambda: net(x, mask),
+        cases = {"dense": lambda: net(x), "sparse eager, tile 16": lambda: net(x, mask),
                  "capacity eager (in the stages)": lambda: cp.forward_capacity(net, x, mask, modes, caps),
                  "capacity captured (fixed buckets, replay)": lambda: run.forward(x, mask, modes, caps),
                  "capacity captured (plan read + replay + overflow read)": lambda: run(x, mask)}

@@ -1,11 +1,9 @@
 """One checkpoint evaluated every way its sparse network can run: the same detections and AP, only the time differs.
 
-    python scripts/bench_invariance.py ckpt_path=PATH [ways=8;16;32;dense;auto;capacity;capacity,8]
-                                       [out=benchmarks/invariance_cpu.json]
+    python scripts/bench_invariance.py ckpt_path=PATH [ways=8;16;32;dense;auto] [out=benchmarks/invariance_cpu.json]
 
-Each way is a ``block_size`` (8, 16, 32, dense, auto: the tile of every sparse stage) and optionally the path
-(``capacity``; else the checkpoint's, ``auto``: the exact path on the CPU), ``;``-separated. Per way: the KITTI
-evaluation of the checkpoint's val split through :func:`detector.tasks.evaluate_checkpoint` (the code
+Each way is a ``block_size`` (8, 16, 32, dense, auto: the tile of every sparse stage), ``;``-separated. Per way: the
+KITTI evaluation of the checkpoint's val split through :func:`detector.tasks.evaluate_checkpoint` (the code
 ``scripts/evaluate.py`` runs), Car BEV / 3D AP R40 moderate, ms per frame, and whether its result files are
 byte-identical to the first way's. Writes ``out`` (JSON) and the markdown table beside it.
 """
@@ -34,15 +32,8 @@ USAGE = __doc__
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _way(text: str) -> tuple[str | None, str]:
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    path = next((p for p in parts if p in ("exact", "capacity")), None)
-    block = next((p for p in parts if p not in ("exact", "capacity")), "auto")
-    return path, block
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv, {"ckpt_path": None, "ways": "8;16;32;dense;auto;capacity;capacity,8",
+    args = parse_args(argv, {"ckpt_path": None, "ways": "8;16;32;dense;auto",
                              "out": str(REPO / "benchmarks" / "invariance_cpu.json")}, USAGE)
     if not args["ckpt_path"]:
         raise SystemExit("error: ckpt_path=PATH is required (see --help)")
@@ -54,16 +45,16 @@ def main(argv: list[str] | None = None) -> int:
     rows, first = [], None
     with tempfile.TemporaryDirectory() as tmp:
         for text in str(args["ways"]).split(";"):
-            path, block = _way(text)
-            out = Path(tmp) / text.replace(",", "_")
+            block = text.strip()
+            out = Path(tmp) / block
             metrics = evaluate_checkpoint(args["ckpt_path"], data_cfg, out, split=cfg.data.val_split,
-                                          inference_path=path, block_size=block)
+                                          block_size=block)
             files = sorted(p.name for p in (out / "data").glob("*.txt"))
             same = None if first is None else (files == first[1] and all(
                 filecmp.cmp(out / "data" / f, first[0] / "data" / f, shallow=False) for f in files))
             if first is None:
                 first = (out, files)
-            rows.append({"way": text, "path": path or "checkpoint's (auto)", "block_size": block,
+            rows.append({"block_size": block,
                          "bev_moderate": metrics["Car"]["bev"]["R40"]["moderate"],
                          "3d_moderate": metrics["Car"]["3d"]["R40"]["moderate"],
                          "ms_per_frame": json.loads((out / "metrics.json").read_text())["_run"]["ms_per_frame"],
@@ -78,10 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     md = ["# One checkpoint, every way of running its sparse network", "",
           f"`{meta['command']}` on {meta['machine']}, {meta['threads']} threads, torch {meta['torch']}, "
           f"allocator {meta['allocator']}, load average {meta['load_average'][0]:.1f}.", "",
-          "| way | path | block_size | Car BEV AP R40 mod | Car 3D AP R40 mod | ms/frame | files = first way's |",
-          "|---|---|---|---|---|---|---|"]
+          "| block_size | Car BEV AP R40 mod | Car 3D AP R40 mod | ms/frame | files = first way's |",
+          "|---|---|---|---|---|"]
     same = {None: "-", True: "yes", False: "**no**"}
-    md += [f"| {r['way']} | {r['path']} | {r['block_size']} | {r['bev_moderate']:.4f} | {r['3d_moderate']:.4f} | "
+    md += [f"| {r['block_size']} | {r['bev_moderate']:.4f} | {r['3d_moderate']:.4f} | "
            f"{r['ms_per_frame']:.1f} | {same[r['files_identical_to_first']]} |" for r in rows]
     md += ["", "The mask defines what each unit computes, so every way gives the same detections; ms/frame includes "
            "decoding and the plan, one pass, on a machine that may be loaded (ratios, not figures, are the point of "

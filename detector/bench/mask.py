@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                 logits = net(bev)
                 for t in thresholds:
                     mask = net.computation_mask(logits, bev.shape[-2:], t)
-                    _, plan = model.execution_modes(tuple(bev.shape), mask, masks_at_strides(mask, model.neck.strides))
+                    _, _, plan = model.capacity_plan(tuple(bev.shape), mask, masks_at_strides(mask, model.neck.strides))
                     q = mask_quality(mask, cars, grid)
                     acc.setdefault((name, t), []).append((plan.mac_ratio(), q["mask_recall"], q["mask_boxes_covered"]))
         for key, vals in acc.items():

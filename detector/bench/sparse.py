@@ -32,7 +32,7 @@ of a fixed output gradient, input gradient included. Every time is the best of `
 (the median is recorded too). Each row reports the best block size; ``speedup`` = dense / sparse at that
 block size, ``ideal`` = 1 / (1 - actual block sparsity), ``auto_speedup`` = dense / min(dense, sparse)
 (what ``block_size="auto"`` may reach by choosing dense). Time shares of the sparse path's phases
-(reduce_mask, gather incl. the channels-last copy, conv = everything computed on the blocks, scatter)
+(list: the block list and its tiles' mask; unit: everything on the list - gather, convolutions, BN/ReLU, scatter)
 are timed phase by phase at that block size, with their backward in ``fwd+bwd`` rows.
 
 Threads: 1 by default (``threads=0``: torch's default). On a shared 2-core machine two OpenMP threads
@@ -79,10 +79,8 @@ import torch.nn.functional as F
 
 from detector.cli import parse_args
 from detector.machine import allocator_env, cpu_model
-from detector.nn.block_pass import BlockPass
-from detector.nn.chain import SparseConvChain, zeros_in_layout
+from detector.nn.chain import SparseConvChain, chain_capacity
 from detector.nn.resnet import SparseResidualUnit
-from detector.ops import sparse_gather, sparse_scatter, sparse_scatter_
 
 USAGE = __doc__
 DEFAULTS = {
@@ -104,7 +102,7 @@ DEFAULTS = {
     "dtype": "float32",
 }
 STAGES = {1: (400, 352, 96), 2: (200, 176, 192), 3: (100, 88, 256), 4: (50, 44, 384)}
-PHASES = ("reduce_mask", "gather", "conv", "scatter")
+PHASES = ("list", "unit")
 
 
 def _sync() -> None:
@@ -341,55 +339,25 @@ def random_tile_mask(bp, N: int, sparsity: float, seed: int) -> tuple[torch.Tens
 
 
 def sparse_phases(m, x, mask, bp, backward: bool, reps: int) -> dict[str, float]:
-    """Best-of-reps milliseconds of each phase of the sparse path (with its backward if asked)."""
-    blocks = m.active_blocks(mask)
-    idx = blocks.indices
-    out: dict[str, float] = {"reduce_mask": timed(lambda: m.active_blocks(mask), reps)[0]}
-    geo = m.geometry(x.shape[2], x.shape[3])
-    masks = blocks.level_masks(geo.levels)
-    identity = m.shortcut == "identity"
-    post = identity and not m.preact  # relu(x + tile) done by the scatter
-
-    def gather(x_):
-        return sparse_gather(x_, idx, bp)
-
-    def compute(xb):
-        return BlockPass(m, geo, masks, [None] * len(m.slots), collect=False).run(xb, skip_identity=post)[0]
-
-    with torch.no_grad():
-        xb = gather(x)
-        tiles = compute(xb)
-    base_shape = (x.shape[0], tiles.shape[1], bp.out_h, bp.out_w)
-
-    def scatter(t, base):  # the unit's normal path: into a copy of its input, or into fresh zeros
-        if identity:
-            return sparse_scatter(t, idx, base, bp, add=True, relu=post)
-        return sparse_scatter_(t, idx, zeros_in_layout(x, base_shape), bp, add=False)
-
+    """Best-of-reps milliseconds of each phase of the sparse path (with its backward if asked): making the block list
+    (``reduce_mask``'s rule, the tiles' mask) and the unit on it (gather, convolutions, BN/ReLU, scatter)."""
+    binary = m.binary(mask)
+    blocks = m.active_blocks(binary)
+    out: dict[str, float] = {"list": timed(lambda: m.active_blocks(binary), reps)[0]}
     if not backward:
         with torch.no_grad():
-            out["gather"] = timed(lambda: gather(x), reps)[0]
-            out["conv"] = timed(lambda: compute(xb), reps)[0]
-            out["scatter"] = timed(lambda: scatter(tiles, x), reps)[0]
+            out["unit"] = timed(lambda: chain_capacity(m, x, blocks, binary, tile=blocks.block.obsize), reps)[0]
         return out
-    gb, gt = torch.randn_like(xb), torch.randn_like(tiles)
-    go = zeros_in_layout(x, base_shape).normal_()
+    g = None
 
-    def gather_fb():
+    def unit_fb():
+        nonlocal g
         xr = x.detach().requires_grad_(True)
-        gather(xr).backward(gb)
+        y = chain_capacity(m, xr, blocks, binary, tile=blocks.block.obsize)
+        g = torch.randn_like(y) if g is None else g
+        y.backward(g)
 
-    def compute_fb():
-        xr = xb.detach().requires_grad_(True)
-        compute(xr).backward(gt)
-
-    def scatter_fb():
-        tr = tiles.detach().requires_grad_(True)
-        scatter(tr, x.detach().requires_grad_(identity)).backward(go)
-
-    out["gather"] = timed(gather_fb, reps)[0]
-    out["conv"] = timed(compute_fb, reps)[0]
-    out["scatter"] = timed(scatter_fb, reps)[0]
+    out["unit"] = timed(unit_fb, reps)[0]
     return out
 
 

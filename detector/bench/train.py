@@ -116,10 +116,10 @@ def logged_step_ms(tb_dir: Path) -> dict | None:
 def step_breakdown(ckpts: dict[str, str], root: str, steps: int, settings: dict[str, dict] | None = None,
                    train: bool = True) -> dict[str, dict[str, float]]:
     """Median ms per training step, by part (loading a batch, the forward's timed parts - voxelize, mask, plan,
-    ``backbone/<stage>`` and their sum ``backbone``, ``head`` (the neck and the head), or ``network`` on the
-    capacity path - then forward, loss, backward, optimizer and the step), of each checkpoint's detector on batches
-    of its own training loader; the runs take turns step by step. ``settings[run]``: attributes set on that run's
-    detector (e.g. ``{"train_path": "capacity"}``: one checkpoint timed two ways). ``train`` False: inference
+    ``backbone/<stage>`` and their sum ``backbone``, ``head`` (the neck and the head) - then forward, loss,
+    backward, optimizer and the step), of each checkpoint's detector on batches of its own training loader; the runs
+    take turns step by step. ``settings[run]``: attributes set on that run's detector (e.g.
+    ``{"use_data_mask": False}``: one checkpoint timed two ways). ``train`` False: inference
     instead (eval mode, no autograd) on batches of the val loader - forward and step only."""
     import statistics
 

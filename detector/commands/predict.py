@@ -5,7 +5,7 @@
                      [drop_nonfinite=false] [intensity_scale=1.0] [fov_only=true] [picture=bev|3d|both|none]
                      [picture_size=1000]
                      [score_threshold=0.3] [filter_files=false] [overwrite=false] [device=auto|cpu|cuda]
-                     [inference_path=auto|exact|capacity] [block_size=8|16|32|dense|auto]
+                     [block_size=8|16|32|dense|auto]
     (or: python scripts/predict.py ...)
 
 input: a point cloud (KITTI .bin float32 x, y, z, reflectance; .npy [N, 3] or [N, 4]; .pcd or .ply) or a folder of
@@ -31,9 +31,9 @@ calib: a KITTI calibration file for every frame, or a folder of <id>.txt. With i
 camera's view (fov_only, as training and evaluation do) and the KITTI files are written: for a KITTI frame they
 equal the ones scripts/evaluate.py writes. image: the left camera's PNG (or a folder of <id>.png): its size (default
 1242 x 375) bounds the camera's view and the 2D boxes, as evaluation reads it from image_2/.
-inference_path, block_size: how the sparse network runs, in place of the checkpoint's - the path (auto: the capacity
-path on a GPU, the exact one on the CPU) and the tile of every sparse stage (or dense, or auto: the plan). The mask
-defines what is computed: the boxes are the same every way, only the time changes (docs/gpu.md).
+block_size: how the sparse network runs, in place of the checkpoint's - the tile of every sparse stage (or dense, or
+auto: the plan). The mask defines what is computed: the boxes are the same every way, only the time changes
+(docs/gpu.md).
 mask: a computation mask in place of the checkpoint's (as scripts/evaluate.py mask=...); a road map needs the
 simulator's maps, which a point cloud has not: use ground, none, or predicted where the checkpoint trained a mask net.
 
@@ -69,8 +69,7 @@ DEFAULTS: dict[str, Any] = {
     "ckpt_path": None, "input": None, "out": None, "format": "auto", "calib": None, "image": None, "mask": None,
     "skip_bad": False, "drop_nonfinite": False, "intensity_scale": 1.0, "fov_only": True, "picture": "bev",
     "picture_size": 1000,
-    "score_threshold": 0.3, "filter_files": False, "overwrite": False, "device": "auto", "inference_path": None,
-    "block_size": None,
+    "score_threshold": 0.3, "filter_files": False, "overwrite": False, "device": "auto", "block_size": None,
 }
 PICTURES = ("bev", "3d", "both", "none")
 
@@ -341,8 +340,7 @@ def _predict(args: dict[str, Any], files: list[Path], out: _Output) -> dict[str,
     device = None if args["device"] == "auto" else args["device"]
     if device is not None and device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"device={device}: no CUDA device here (torch {torch.__version__}): device=cpu or auto")
-    predictor, _ = Predictor.from_checkpoint(args["ckpt_path"], args["mask"], device, args["inference_path"],
-                                             args["block_size"])
+    predictor, _ = Predictor.from_checkpoint(args["ckpt_path"], args["mask"], device, args["block_size"])
     if isinstance(predictor.mask_provider, RoadMapMask):
         raise ConfigError(f"mask: {args['ckpt_path']} runs with mask=road_map, which needs the simulator's road maps; "
                           "a point cloud has none: give mask=ground, mask=none or (if it trained a mask net) "

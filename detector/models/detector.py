@@ -10,13 +10,9 @@ dense (``mask=None``); where the mask comes from:
   dilated ground-truth boxes;
 - neither: dense.
 
-The sparse network runs on one of two paths (``inference_path``, ``train_path``): the *exact* one sizes every op
-by the active blocks (read by the host per stage: on a GPU a sync per stage and new shapes per batch), the
-*capacity* one (:mod:`detector.nn.capacity`) on block lists of bounded sizes made on the device, with one host read
-of the plan's counts per batch and none inside the network; its inference is captured as a CUDA graph per (shape,
-plan, buckets) on a GPU. Both give the same values, gradients and running statistics; ``auto`` takes the capacity
-path on a GPU (launch- and sync-bound there) and the exact one on the CPU (no syncs to save). Where the capacity
-path's inference runs on a GPU, the dense network (no mask) is captured as a graph too: a sparse plan is priced, and
+The sparse network runs on block lists (:mod:`detector.nn.capacity`): one host read of the plan's counts per batch
+and none inside the network; on a GPU the lists take buckets of rows and inference is captured as a CUDA graph per
+(shape, plan, buckets). There, the dense network (no mask) is captured as a graph too: a sparse plan is priced, and
 measured, against the best dense.
 """
 
@@ -32,7 +28,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from detector.data.structures import Batch, Detections
-from detector.errors import ConfigError
 from detector.geometry.box_masks import boxes_mask
 from detector.geometry.voxelize import BevGrid, voxelize
 from detector.models.head import DetectionHead
@@ -50,8 +45,6 @@ from detector.nn.resnet import SparseResNet, downsample_mask
 from detector.ops.capacity import BlockList
 from detector.ops.fused import fused_backend, whole_check
 
-SPARSE_PATHS = ("auto", "exact", "capacity")
-
 
 class TopDownNeck(nn.Module):
     """FPN-style top-down path: from the deepest stage, upsample ×2, add the 1x1 lateral of the next
@@ -63,7 +56,7 @@ class TopDownNeck(nn.Module):
     """
 
     def __init__(self, in_channels: Sequence[int], strides: Sequence[int], out_stride: int = 4, channels: int = 96,
-                 block_size: int = 16, tol: float = 0.5, memory_budget_mb: float = 1024.0):
+                 block_size: int = 16, tol: float = 0.5):
         super().__init__()
         use = [i for i, s in enumerate(strides) if s >= out_stride]
         if not use or strides[use[0]] != out_stride:
@@ -77,7 +70,7 @@ class TopDownNeck(nn.Module):
         self.lateral = nn.ModuleList(nn.Conv2d(in_channels[i], channels, 1) for i in use)
         self.smooth = nn.ModuleList(
             SparseConvChain(channels, (channels,), (3,), (1,), shortcut="none", block_size=block_size, tol=tol,
-                            memory_budget_mb=memory_budget_mb, name=f"TopDownNeck.smooth[{j}]")
+                            name=f"TopDownNeck.smooth[{j}]")
             for j in range(len(use))
         )
         self.out_channels = channels
@@ -157,10 +150,7 @@ class BevDetector(nn.Module):
         mask_schedule: how training uses ``mask_net``'s mask (required with ``mask_net``).
         mask_loss_kind: the mask network's loss (:func:`detector.models.losses.mask_loss`).
         mask_loss_weight: its weight in the total loss.
-        inference_path: the sparse path of inference (module docstring): ``auto`` (capacity on a GPU, exact on the
-            CPU), ``exact`` or ``capacity``.
-        train_path: the sparse path of training (and of any forward under autograd), the same values.
-        capture_train: on a GPU, a training step on the capacity path runs its network's forward and backward as
+        capture_train: on a GPU, a training step runs its network's forward and backward as
             CUDA graphs, one pair per (shape, plan, buckets) seen twice (:func:`~detector.nn.capture.capture_training`).
     """
 
@@ -180,8 +170,6 @@ class BevDetector(nn.Module):
         mask_schedule: MaskSchedule | None = None,
         mask_loss_kind: str = "focal",
         mask_loss_weight: float = 1.0,
-        inference_path: str = "auto",
-        train_path: str = "auto",
         capture_train: bool = False,
     ):
         super().__init__()
@@ -197,7 +185,7 @@ class BevDetector(nn.Module):
         self.backbone = backbone
         self.head_block_size = check_setting(head_block_size, "head_block_size")
         tile = head_block_size if isinstance(head_block_size, int) else 16  # auto / dense: set per batch
-        sparse_args = dict(block_size=tile, tol=backbone.tol, memory_budget_mb=backbone.memory_budget_mb)
+        sparse_args = dict(block_size=tile, tol=backbone.tol)
         self.neck = TopDownNeck(backbone.out_channels, backbone.strides, out_stride, neck_channels, **sparse_args)
         self.head = DetectionHead(neck_channels, coder.num_classes, head_channels, **sparse_args)
         self.mask_net = mask_net
@@ -207,12 +195,7 @@ class BevDetector(nn.Module):
         self.mask_loss_weight = mask_loss_weight
         self.use_data_mask = sparse  # an attribute: the benchmarks switch a sparse detector's masks off and on
         self.timing = False  # record per-stage wall times (synchronizes on CUDA)
-        for key, value in (("inference_path", inference_path), ("train_path", train_path)):
-            if value not in SPARSE_PATHS:
-                raise ConfigError(f"model.{key} must be one of {', '.join(SPARSE_PATHS)}, got {value!r}")
-        self.inference_path = inference_path
-        self.train_path = train_path
-        self.graphs = GraphCache()  # the capacity path's captured graphs (CUDA)
+        self.graphs = GraphCache()  # the network's captured graphs in inference (CUDA)
         self.capture_train = bool(capture_train)
         self.train_graphs = GraphCache(max_graphs=8, capturer=capture_training, after=2)
 
@@ -220,8 +203,7 @@ class BevDetector(nn.Module):
         g = self.grid
         mask = ("mask_net" if self.mask_net is not None else "the batch's mask") if self.use_data_mask else "dense"
         text = (f"grid={g.H}x{g.W} cells of {g.resolution:g} m, {g.C} channels, classes={list(self.coder.classes)}, "
-                f"mask={mask}, head_block_size={self.head_block_size}, inference_path={self.inference_path}, "
-                f"train_path={self.train_path}")
+                f"mask={mask}, head_block_size={self.head_block_size}")
         return text + (f",\nmask_schedule={self.mask_schedule}" if self.mask_schedule is not None else "")
 
     @property
@@ -266,7 +248,7 @@ class BevDetector(nn.Module):
         t = self._tick(times, "mask", t)
         plan = None
         inference = not (self.training or torch.is_grad_enabled())
-        if mask is None and inference and self.uses_capacity_path(bev) and bev.is_cuda:  # dense, captured like sparse
+        if mask is None and inference and bev.is_cuda:  # dense, captured like sparse
             run = self.graphs.get(("dense", tuple(bev.shape), bev.dtype, bev.device),
                                   lambda b: self.head(self.neck(self.backbone(b))), bev)
             heat, reg = (o.clone() for o in run(bev))
@@ -278,29 +260,9 @@ class BevDetector(nn.Module):
             self._tick(times, "head", t)
         else:
             level_masks = masks_at_strides(mask, self.neck.strides)
-            if self.uses_capacity_path(bev):
-                heat, reg, plan = self.capacity_forward(bev, mask, level_masks, times)
-            else:
-                modes, plan = self.execution_modes(tuple(bev.shape), mask, level_masks)
-                t = self._tick(times, "plan", t)
-                heat, reg = self.sparse_maps(bev, mask, level_masks, modes, times)
+            heat, reg, plan = self.capacity_forward(bev, mask, level_masks, times)
         sparsity = 0.0 if mask is None else float(1.0 - mask.mean())
         return DetectorOutput(heat, reg, mask, mask_logits, sparsity, times, plan)
-
-    def sparse_maps(self, bev: torch.Tensor, mask: torch.Tensor, level_masks: Sequence[torch.Tensor],
-                    modes: Sequence[int | str], times: dict[str, float] | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Backbone, neck and head on ``mask`` with the execution ``modes`` (:meth:`execution_modes`; the
-        exported programs run this with the modes frozen): heatmap logits and regression."""
-        times = {} if times is None else times
-        t = time.perf_counter() if self.timing else 0.0
-        feats = self.backbone(bev, mask, modes=list(modes[: len(self.backbone.stages)]),
-                              times=times if self.timing else None)
-        t = self._tick(times, "backbone", t)
-        neck_modes, head_mode = modes[len(self.backbone.stages): -1], modes[-1]
-        heat, reg = self.head(self.neck(feats, level_masks, neck_modes), level_masks[0], head_mode)
-        self._tick(times, "head", t)
-        return heat, reg
 
     def settings(self) -> list[int | str]:
         """The configured setting of every sparse stage: the backbone's stages, the neck's levels, the head's
@@ -308,15 +270,15 @@ class BevDetector(nn.Module):
         return list(self.backbone.block_sizes) + [self.head_block_size] * (len(self.neck.smooth) + 1)
 
     def plan_inputs(self, x_shape: tuple[int, ...], mask: torch.Tensor, level_masks: Sequence[torch.Tensor],
-                    settings: Sequence[int | str] | None = None, path: str = "exact") -> list[StageInput]:
+                    settings: Sequence[int | str] | None = None) -> list[StageInput]:
         """The plan inputs of every sparse stage (:meth:`settings`' order; counts on the device, unread) under
         ``settings`` (default: the configured ones)."""
         bb = self.backbone
         settings = self.settings() if settings is None else list(settings)
         nb = len(bb.stages)
-        inputs = bb.plan_inputs(x_shape, mask, settings[:nb], path)
+        inputs = bb.plan_inputs(x_shape, mask, settings[:nb])
         N, cands = x_shape[0], bb.planner.candidates
-        prune = bb.planner.prune(mask.device, mask.dtype, self.training, path) if AUTO in settings[nb:] else None
+        prune = bb.planner.prune(mask.device, mask.dtype, self.training) if AUTO in settings[nb:] else None
         for j, chain in enumerate(self.neck.smooth):
             hw = inputs[self.neck.use[j] + 1].rest_hw
             inputs.append(measure(f"neck_s{self.neck.strides[j]}", settings[nb + j], [chain], (N, *hw), level_masks[j],
@@ -325,43 +287,26 @@ class BevDetector(nn.Module):
         inputs.append(measure("head", settings[-1], [self.head.tower], (N, *hw), level_masks[0], cands, prune))
         return inputs
 
-    def execution_modes(self, x_shape: tuple[int, ...], mask: torch.Tensor, level_masks: Sequence[torch.Tensor]
-                        ) -> tuple[list[int | str], Plan | None]:
-        """Tile or dense for every sparse stage (:meth:`settings`' order) on the exact path. With an ``auto``
-        setting, one plan for all of them (:mod:`detector.nn.plan`)."""
-        fixed = self.settings()
-        if AUTO not in fixed:
-            return fixed, None
-        inputs = self.plan_inputs(x_shape, mask, level_masks)
-        plan = self.backbone.planner.decide(inputs, mask.device, mask.dtype, self.training)
-        return list(plan.choices), plan
-
-    # --- the capacity path -----------------------------------------------------------------------------
-    def uses_capacity_path(self, bev: torch.Tensor) -> bool:
-        """Whether this forward runs the capacity path: ``train_path`` in training or under autograd, else
-        ``inference_path``; ``auto``: on a GPU."""
-        training = self.training or torch.is_grad_enabled()
-        setting = self.train_path if training else self.inference_path
-        if setting != "auto":
-            return setting == "capacity"
-        return bev.is_cuda
-
+    # --- the network on block lists ------------------------------------------------------------------
     def capacity_plan(self, x_shape: tuple[int, ...], mask: torch.Tensor, level_masks: Sequence[torch.Tensor],
                       modes: Sequence[int | str] | None = None
                       ) -> tuple[list[int | str], list[StageCapacity | None], Plan | None]:
-        """The modes (the plan's, priced for the capacity path, where a setting is ``auto``; ``modes`` given:
+        """The modes (the plan's, where a setting is ``auto``; ``modes`` given:
         those) and the list capacities of every sparse stage, from ONE host read of all the counts."""
         settings = self.settings() if modes is None else list(modes)
-        inputs = self.plan_inputs(x_shape, mask, level_masks, settings, path="capacity")
+        inputs = self.plan_inputs(x_shape, mask, level_masks, settings)
         return decide_lists(inputs, settings, self.backbone.planner, mask.device, mask.dtype, self.training)
 
     def capacity_maps(self, bev: torch.Tensor, mask: torch.Tensor, level_masks: Sequence[torch.Tensor],
-                      modes: Sequence[int | str], caps: Sequence[StageCapacity | None]
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
+                      modes: Sequence[int | str], caps: Sequence[StageCapacity | None],
+                      times: dict[str, float] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
         """Backbone, neck and head on block lists of capacities ``caps`` with ``modes`` (:meth:`capacity_plan`):
         (heatmap logits, regression, the device-side overflow flag, every list's true count). No host read."""
         nb = len(self.backbone.stages)
-        feats, overflow, counts = forward_capacity(self.backbone, bev, mask, modes[:nb], caps[:nb])
+        t = time.perf_counter() if times is not None else 0.0
+        feats, overflow, counts = forward_capacity(self.backbone, bev, mask, modes[:nb], caps[:nb], times)
+        if times is not None:
+            t = self._tick(times, "backbone", t)
         lists: list[BlockList | str] = []
         chains = [*self.neck.smooth, self.head.tower]
         level_masks = [lm.to(bev.dtype) for lm in level_masks]
@@ -370,11 +315,13 @@ class BevDetector(nn.Module):
                 lists.append(DENSE)
                 counts.append([])
                 continue
-            bl = chain_list(chain, lm, int(m), cap[0])
+            bl = chain_list(chain, lm, int(m), None if cap is None else cap[0])
             overflow = overflow | bl.overflow
             counts.append([bl.count])
             lists.append(bl)
         heat, reg = self.head(self.neck(feats, level_masks, lists[:-1]), level_masks[0], lists[-1])
+        if times is not None:
+            self._tick(times, "head", t)
         return heat, reg, overflow, counts
 
     def capacity_forward(self, bev: torch.Tensor, mask: torch.Tensor, level_masks: Sequence[torch.Tensor],
@@ -393,8 +340,9 @@ class BevDetector(nn.Module):
         if self.training and self.capture_train and bev.is_cuda:
             run = self.train_graphs.get(key, _ListNetwork(self, modes, caps), bev, mask, *level_masks)
             (heat, reg, overflow), counts = run(bev, mask, *level_masks), None
-        elif self.training or torch.is_grad_enabled():
-            heat, reg, overflow, counts = self.capacity_maps(bev, mask, level_masks, modes, caps)
+        elif self.training or torch.is_grad_enabled() or not bev.is_cuda:  # eager (nothing to capture off CUDA)
+            heat, reg, overflow, counts = self.capacity_maps(bev, mask, level_masks, modes, caps,
+                                                             times if self.timing else None)
         else:
             run = self.graphs.get(key, lambda b, m, *lm: self.capacity_maps(b, m, lm, modes, caps), bev, mask,
                                   *level_masks)
@@ -402,8 +350,8 @@ class BevDetector(nn.Module):
         overflow = bool(overflow)  # the one read after the network
         if overflow and self.training:
             found = "" if counts is None else f" {[[int(c) for c in cs] for cs in counts]}"
-            raise RuntimeError(f"capacity path: the block lists {caps} hold fewer rows than the batch's active "
-                               f"blocks{found}; no block may be dropped (model.train_path=exact runs without lists)")
+            raise RuntimeError(f"the block lists {caps} hold fewer rows than the batch's active blocks{found}; no "
+                               "block may be dropped")
         if overflow:
             modes, new_caps, _ = self.capacity_plan(tuple(bev.shape), mask, level_masks, modes)
             rerun_warning(counts, caps, new_caps)

@@ -29,14 +29,13 @@ class DetectionHead(nn.Module):
         prior: float = 0.01,
         block_size: int = 16,
         tol: float = 0.5,
-        memory_budget_mb: float = 1024.0,
     ):
         super().__init__()
         if num_convs < 1:
             raise ValueError(f"DetectionHead: num_convs must be >= 1, got {num_convs}")
         self.tower = SparseConvChain(
             in_channels, (channels,) * num_convs, (3,) * num_convs, (1,) * num_convs, shortcut="none",
-            block_size=block_size, tol=tol, memory_budget_mb=memory_budget_mb, name="DetectionHead.tower",
+            block_size=block_size, tol=tol, name="DetectionHead.tower",
         )
         self.heatmap = nn.Conv2d(channels, num_classes, 3, padding=1)
         self.regression = nn.Conv2d(channels, len(REG_CHANNELS), 3, padding=1)

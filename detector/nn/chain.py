@@ -1,6 +1,6 @@
-"""A chain of conv-BN-ReLU layers (optionally residual) that runs dense, or sparse on active blocks.
+"""A chain of conv-BN-ReLU layers (optionally residual) that runs dense, or sparse on a list of active blocks.
 
-:class:`SparseConvChain` is the engine behind the sparse residual units (:mod:`detector.nn.resnet`).
+:class:`SparseConvChain` is the engine behind every sparse unit (:mod:`detector.nn.resnet`, the neck, the head).
 The same parameters (same ``state_dict``) run either way.
 
 **The mask defines the function.** Given a binary mask ``M`` at the input resolution (``mask > tol``) and
@@ -15,10 +15,13 @@ stride; all pixels when there is no mask), so ``unit(x)`` at a pixel depends on 
 How it is executed changes the time, never the values:
 
 - **dense** (``dense=True`` or no mask): the whole map, then the mask applied (no mask: the ordinary network);
-- **sparse** (a mask or precomputed :class:`ActiveBlocks`): the tiles whose output holds a pixel of ``M_out``
-  (which therefore cover it), ONE ``sparse_gather`` of them with the halo of the whole chain's receptive field
-  (:mod:`detector.nn.geometry`), every convolution with VALID padding on the blocks, BN and ReLU, and ONE
-  ``sparse_scatter`` of the output tiles with the mask applied inside them. Any tile size gives the same output.
+- **sparse**: on a :class:`~detector.ops.capacity.BlockList` of the tiles whose output holds a pixel of ``M_out``
+  (:func:`chain_list`; which therefore cover it), read from the map with the halo of the whole chain's receptive
+  field (:mod:`detector.nn.geometry`), every convolution with VALID padding on the blocks, BN and ReLU, and the
+  output tiles written with the mask applied inside them (:func:`chain_capacity`). Any tile size gives the same
+  output. The list holds exactly the active blocks (:func:`chain_list` without a capacity: ``reduce_mask``'s
+  data-dependent count, what ``torch.export`` sees as a dynamic dimension), or a fixed number of rows with the count
+  on the device (a bucket, for CUDA graphs: :mod:`detector.nn.capacity`); padding rows are inert.
 
 Correctness details that make the tiles equal the dense twin:
 
@@ -31,45 +34,42 @@ Correctness details that make the tiles equal the dense twin:
 The projection (1x1 conv, stride ``S``; BN in the post-activation form) is computed sparsely inside the blocks
 from the tile's own pixels, so it costs nothing outside the active tiles.
 
-Eval-mode BN that follows a convolution is folded into the convolution (weight * scale, bias = shift)
-on both paths; the pre-activation unit's input BN is applied as an affine map. A training-mode BN
-whose counted pixels are its whole blocks (no halo at that level, no block past the map border, the mask
-covering the tiles) runs ``F.batch_norm`` itself - the same statistics, fused kernels.
+Eval-mode BN that follows a convolution is folded into the convolution (weight * scale, bias = shift);
+the pre-activation unit's input BN is applied as an affine map. Each convolution with its folded BN is one
+fused op (:mod:`detector.ops.fused`: the gather fused into the first, the residual and the scatter into the last;
+on the CPU their composition of the compiled gather/scatter kernels and oneDNN's convolutions).
 
 Layout: the ops read and write NCHW and channels-last maps natively and the blocks take the map's
 layout (channels-last is what oneDNN and cuDNN convolve fastest; :class:`~detector.nn.resnet.SparseResNet`
-makes its input channels-last). An identity unit's gather and scatter are one fused pair
-(:class:`detector.ops.ResidualBlocks`), ``x``'s gradient assembled in one map-sized pass. With ``inplace=True`` -
-for an ``x`` the caller owns, e.g. the stage's own intermediates - the unit writes its tiles into ``x`` itself, in
-training too (autograd records the in-place write), so its forward costs the blocks, not the map.
-
-Pieces: :mod:`detector.nn.block_pass` (the chain on gathered blocks), :mod:`detector.nn.chunked` (several
-chunks under a memory budget, exact statistics by passes), :mod:`detector.nn.norm` (statistics).
-Memory: the active blocks are processed in chunks of at most ``memory_budget_mb`` of working tensors
-(estimated as 3 x the largest level's ``C * e_h * e_w`` per block, plus the gathered input), so peak
-transient memory does not grow with the batch.
+makes its input channels-last). With ``inplace=True`` - for an ``x`` the caller owns, e.g. the stage's own
+intermediates - an identity unit writes its tiles into ``x`` itself outside autograd.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from functools import cached_property
+from dataclasses import replace
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from detector.errors import ConfigError
-from detector.ops import BlockParams, ResidualBlocks, reduce_mask, sparse_gather, sparse_scatter_
+from detector.ops import reduce_mask, sparse_gather
 from detector.ops.blocks import pair
-from detector.ops.formulas import keep_where, like_map
+from detector.ops.capacity import (
+    BlockList,
+    gather_windows,
+    level_valid,
+    reduce_mask_capacity,
+    scatter_padded,
+    uses_buckets,
+)
+from detector.ops.formulas import keep_where
+from detector.ops.fused import conv_blocks, conv_scatter
 
-from .block_pass import BlockPass
-from .chunked import run_chunked
 from .geometry import (
-    BlockSpan,
     ChainGeometry,
     ConvSpec,
     Level,
@@ -77,59 +77,24 @@ from .geometry import (
     chain_geometry,
     level_masks,
     mask_at_stride,
+    zero_pixels,
 )
 from .norm import (
+    blocks_batch_norm,
     list_batch_norm,
+    list_moments,
     needs_sync,
+    normalize,
+    region_moments,
     running_scale_shift,
     sync_moments,
     update_running_stats,
     uses_batch_stats,
 )
 
-__all__ = ["ActiveBlocks", "Shortcut", "SparseConvChain", "zeros_in_layout"]
+__all__ = ["Shortcut", "SparseConvChain", "zeros_in_layout", "chain_list", "chain_capacity", "region_weights"]
 
 Shortcut = Literal["identity", "projection", "none"]
-
-
-@dataclass(frozen=True, eq=False)
-class ActiveBlocks:
-    """Active blocks of a sparse layer: ``indices`` int32 ``[K, 3]`` (n, by, bx) on the ``block`` grid, and the
-    unit's binary ``mask [N, 1, H, W]`` at its input resolution (what the unit computes: module docstring).
-
-    The units of a stage share one ActiveBlocks (same indices, same geometry, same mask), and so share its level
-    masks: :meth:`level_masks` builds each level's once (a host sync or two each) and keeps them."""
-
-    indices: torch.Tensor
-    block: BlockParams
-    mask: torch.Tensor
-    _masks: dict[Level, LevelMasks] = field(default_factory=dict, init=False, repr=False)
-    _strided: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
-
-    @property
-    def count(self) -> int:
-        return int(self.indices.shape[0])
-
-    @cached_property
-    def span(self) -> BlockSpan | None:
-        """The blocks' row/column range (one host sync, once), None without blocks."""
-        return BlockSpan.of(self.indices) if self.count else None
-
-    def mask_at(self, r: int) -> torch.Tensor:
-        """The mask at stride ``r`` from the unit's input (:func:`~detector.nn.geometry.mask_at_stride`), made once."""
-        if r not in self._strided:
-            self._strided[r] = mask_at_stride(self.mask, r)
-        return self._strided[r]
-
-    def level_masks(self, levels: Sequence[Level]) -> list[LevelMasks]:
-        """:func:`~detector.nn.geometry.level_masks` of these blocks at each of ``levels``, built once per
-        level (traced - torch.compile / torch.export - they are built each time, without a span)."""
-        if torch.compiler.is_compiling():
-            return [level_masks(self.indices, lv, self.mask_at(lv.stride)) for lv in levels]
-        for lv in levels:
-            if lv not in self._masks:
-                self._masks[lv] = level_masks(self.indices, lv, self.mask_at(lv.stride), self.span)
-        return [self._masks[lv] for lv in levels]
 
 
 def zeros_in_layout(x: torch.Tensor, shape: tuple[int, int, int, int]) -> torch.Tensor:
@@ -170,7 +135,6 @@ class SparseConvChain(nn.Module):
         shortcut: Shortcut = "none",
         block_size: int | tuple[int, int] = 16,
         tol: float = 0.5,
-        memory_budget_mb: float = 1024.0,
         name: str = "SparseConvChain",
     ) -> None:
         super().__init__()
@@ -191,8 +155,6 @@ class SparseConvChain(nn.Module):
                 f"{name}: an identity shortcut needs stride 1 and out_channels == in_channels "
                 f"(got stride {stride_total}, {in_channels} -> {channels[-1]}); use shortcut='projection'"
             )
-        if memory_budget_mb <= 0:
-            raise ConfigError(f"{name}: memory_budget_mb must be > 0, got {memory_budget_mb}")
         self.name = name
         self.in_channels = in_channels
         self.out_channels = channels[-1]
@@ -201,7 +163,6 @@ class SparseConvChain(nn.Module):
         self.shortcut = shortcut
         self.block_size = block_size
         self.tol = float(tol)
-        self.memory_budget_mb = float(memory_budget_mb)
         self.specs = tuple(ConvSpec(k, s, (k - 1) // 2) for k, s in zip(ksizes, strides, strict=True))
         ins = [in_channels, *channels[:-1]]
         self.convs = nn.ModuleList(
@@ -218,7 +179,7 @@ class SparseConvChain(nn.Module):
             if not preact:
                 self.proj_bn = nn.BatchNorm2d(channels[-1])
         L = len(self.specs)
-        # the level each BN slot normalizes (see BlockPass)
+        # the level each BN slot normalizes
         self.slot_levels = tuple(range(L)) if preact else tuple(range(1, L + 1))
         if self.proj_bn is not None:
             self.slot_levels += (L,)
@@ -261,30 +222,14 @@ class SparseConvChain(nn.Module):
         dtype = mask.dtype if mask.is_floating_point() else torch.float32
         return (mask > self.tol).to(dtype)
 
-    def active_blocks(self, mask: torch.Tensor) -> ActiveBlocks:
-        """The active blocks of ``mask [N, 1, H, W]`` (input resolution) for this chain's geometry: the tiles whose
-        output holds a pixel of the mask at the output resolution."""
+    def active_blocks(self, mask: torch.Tensor, capacity: int | None = None) -> BlockList:
+        """The block list of ``mask [N, 1, H, W]`` (input resolution) at the chain's block size
+        (:func:`chain_list`): the tiles whose output holds a pixel of the mask at the output resolution."""
         if not isinstance(mask, torch.Tensor):
             raise TypeError(f"{self.name}: mask must be a torch.Tensor, got {type(mask).__name__}")
         if mask.dim() != 4 or mask.shape[1] != 1:
             raise ValueError(f"{self.name}: mask must be [N, 1, H, W], got {tuple(mask.shape)}")
-        geo = self.geometry(int(mask.shape[2]), int(mask.shape[3]))
-        m = self.binary(mask)
-        m_out = mask_at_stride(m, self.stride)
-        blocks = ActiveBlocks(indices=reduce_mask(m_out, geo.select, tol=0.5), block=geo.block, mask=m)
-        blocks._strided[self.stride] = m_out  # made here already: the scatter's mask
-        return blocks
-
-    def block_bytes(self, geo: ChainGeometry, itemsize: int) -> int:
-        """Estimated working memory of one block: the gathered input plus 3 x the largest level."""
-        chans = [self.in_channels] + [c.out_channels for c in self.convs]
-        areas = [lv.extent[0] * lv.extent[1] for lv in geo.levels]
-        largest = max(c * a for c, a in zip(chans, areas, strict=True))
-        return itemsize * (chans[0] * areas[0] + 3 * largest)
-
-    def chunk_blocks(self, geo: ChainGeometry, itemsize: int) -> int:
-        """Blocks per chunk under the memory budget (at least 1)."""
-        return max(1, int(self.memory_budget_mb * 2**20) // self.block_bytes(geo, itemsize))
+        return chain_list(self, mask, pair(self.block_size, "block_size"), capacity)
 
     # ------------------------------------------------------------------------------------ dense
     def _subsample(self, x: torch.Tensor) -> torch.Tensor:
@@ -353,114 +298,243 @@ class SparseConvChain(nn.Module):
             return y
         return keep_where(ms[L] > 0.5, y, x if self.shortcut == "identity" else 0)
 
-    # ----------------------------------------------------------------------------------- sparse
-    def forward_sparse(self, x: torch.Tensor, blocks: ActiveBlocks, inplace: bool = False) -> torch.Tensor:
-        """The sparse path on precomputed active blocks (see the module docstring for semantics).
-
-        ``inplace`` lets an identity-shortcut unit write its tiles into ``x`` itself instead of a copy of it
-        (honoured when the blocks fit in one chunk; under autograd too, where ``x`` must not be a leaf that
-        requires grad). The blocks are all gathered before anything is written, so the result is the same.
-        The caller must own ``x`` (it is returned, modified).
-        """
-        H, W = int(x.shape[2]), int(x.shape[3])
-        geo = self.geometry(H, W)
-        if not isinstance(blocks, ActiveBlocks):
-            raise TypeError(f"{self.name}: blocks must be ActiveBlocks, got {type(blocks).__name__}")
-        if blocks.block != geo.block:
-            raise ValueError(
-                f"{self.name}: blocks were reduced for another geometry ({blocks.block}); "
-                f"this unit needs {geo.block} (same block size and input map)"
-            )
-        idx = blocks.indices
-        N, (Ho, Wo) = x.shape[0], geo.block.out_size
-        identity = self.shortcut == "identity"
-        base = x if identity else zeros_in_layout(x, (N, self.out_channels, Ho, Wo))
-        # Traced (torch.compile / torch.export): K is a symbol, so no host sync on it - no K == 0 branch (the
-        # ops take K = 0), one chunk (the memory budget is not applied), the level masks built without a span.
-        traced = torch.compiler.is_compiling()
-        if not traced and blocks.count == 0:
-            tie = self._sync_empty()
-            return base if tie is None else base + tie
-        m_out = blocks.mask_at(self.stride)
-        chunk = self.chunk_blocks(geo, x.element_size())
-        idx_chunks = [idx] if traced else [idx[s : s + chunk] for s in range(0, blocks.count, chunk)]
-        if len(idx_chunks) > 1:
-            masks = []
-            for ic in idx_chunks:
-                part = ActiveBlocks(ic, geo.block, blocks.mask)
-                part._strided.update(blocks._strided)
-                masks.append(part.level_masks(geo.levels))
-            return run_chunked(self, x, base, idx, idx_chunks, masks, geo, m_out, add=identity and self.preact)
-        masks = [blocks.level_masks(geo.levels)]  # shared with the stage's other units on the same blocks
-        keep = sparse_gather(m_out, idx, geo.select) > 0.5  # [K, 1, T_h, T_w]: the tiles' pixels the unit computes
-
-        known = [None] * len(self.slots)
-        if identity:  # one gather, the tiles combined into x (or a copy)
-            residual = ResidualBlocks(x, idx, geo.block, inplace=inplace and not (x.is_leaf and x.requires_grad))
-            xb = residual.gather()
-            if self.preact:  # x + tile where the mask is set
-                z, new = BlockPass(self, geo, masks[0], known, collect=False).run(xb)
-                out = residual.scatter(like_map(keep_where(keep, z, 0), x), relu=False)
-            else:  # relu(x + tile) where the mask is set, x elsewhere: the tiles overwrite
-                b, new = BlockPass(self, geo, masks[0], known, collect=False).run(xb, skip_identity=True)
-                (p0h, p0w), (th, tw) = geo.levels[0].offset, geo.tile
-                xt = xb[:, :, p0h : p0h + th, p0w : p0w + tw]
-                inplace_ok = not torch.is_grad_enabled() and b.dtype == xt.dtype  # (autocast: b may be narrower)
-                b = b.add_(xt).relu_() if inplace_ok else torch.relu(xt + b)
-                out = residual.scatter(like_map(keep_where(keep, b, xt), x), relu=False, add=False)
-        else:  # tiles written into a fresh zero map
-            tiles, new = BlockPass(self, geo, masks[0], known, collect=False).run(sparse_gather(x, idx, geo.block))
-            out = sparse_scatter_(like_map(keep_where(keep, tiles, 0), base), idx, base, geo.block, add=False)
-        for j, m in new.items():
-            update_running_stats(self.slots[j], m)
-        return out
-
-    def _sync_empty(self) -> torch.Tensor | None:
-        """A process with no active block still takes part in every statistics all-reduce the others
-        make (DDP with synchronized BN), in their order: the post-activation projection's BN, then the
-        chain's BNs; its running statistics are updated with the global moments like the others'.
-        Returns a zero that depends on those all-reduces (None without any), for the caller to add to its
-        output, so that backward takes part in the gradients' all-reduces too."""
-        slots = self.slots
-        order = ([len(self.bns)] if self.proj_bn is not None and not self.preact else []) + list(range(len(self.bns)))
-        like = self.convs[0].weight.detach()
-        tie = None
-        for j in order:
-            if needs_sync(slots[j]):
-                m = sync_moments(slots[j], None, like)
-                update_running_stats(slots[j], m)
-                z = (m.mean.sum() + m.var.sum()) * 0.0
-                tie = z if tie is None else tie + z
-        if tie is not None and torch.is_grad_enabled():  # zero gradients for DDP's reducer (no unused parameter)
-            tie = tie + sum(p.sum() for p in self.parameters() if p.requires_grad) * 0.0
-        return tie
-
     # ---------------------------------------------------------------------------------- forward
     def forward(
         self,
         x: torch.Tensor,
         mask: torch.Tensor | None = None,
-        blocks: ActiveBlocks | None = None,
+        blocks: BlockList | None = None,
         inplace: bool = False,
         dense: bool = False,
     ) -> torch.Tensor:
-        """The unit's function of ``x`` and its mask (module docstring): ``mask`` at the input resolution, or
-        ``blocks`` made from it; neither: the ordinary dense network. Executed sparse on the active blocks, or on
-        the whole map with ``dense=True`` - the same values.
+        """The unit's function of ``x`` and its ``mask`` (input resolution; module docstring); no mask: the ordinary
+        dense network. Executed sparse on ``blocks`` (made from the mask by :meth:`active_blocks`, at the chain's
+        block size, when not given), or on the whole map with ``dense=True`` - the same values.
 
-        ``inplace``: see :meth:`forward_sparse` (ignored on the dense path).
+        ``inplace``: an identity unit writes its tiles into ``x`` itself (outside autograd; the caller owns ``x``).
         """
         x = self._check_x(x)
-        if blocks is None and mask is None:
+        if mask is None:
+            if blocks is not None:
+                raise ValueError(f"{self.name}: blocks need the mask they were made from")
             return self.forward_dense(x)
-        if blocks is None:
-            if mask.dim() == 4 and (
-                mask.shape[0] != x.shape[0] or tuple(mask.shape[2:]) != tuple(x.shape[2:])
-            ):
-                raise ValueError(
-                    f"{self.name}: mask must be [N, 1, H, W] matching x {tuple(x.shape)}, "
-                    f"got {tuple(mask.shape)}"
-                )
+        if mask.dim() != 4 or mask.shape[0] != x.shape[0] or tuple(mask.shape[2:]) != tuple(x.shape[2:]):
+            raise ValueError(
+                f"{self.name}: mask must be [N, 1, H, W] matching x {tuple(x.shape)}, got {tuple(mask.shape)}"
+            )
+        m = self.binary(mask)
         if dense:
-            return self.forward_dense(x, blocks.mask if blocks is not None else self.binary(mask))
-        return self.forward_sparse(x, blocks if blocks is not None else self.active_blocks(mask), inplace=inplace)
+            return self.forward_dense(x, m)
+        if blocks is None:
+            blocks = self.active_blocks(m)
+        return chain_capacity(self, x, blocks, m, inplace=inplace, tile=blocks.block.obsize)
+
+
+# a full list's level masks, shared by the units that run on it (a stage's second and later units): (mask, per level)
+_LEVEL_MASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class _ListNorm:
+    """The BN slots of ``chain`` on ``blist``'s blocks: folded into the convolutions (running statistics), or -
+    a slot in training mode - applied with the batch moments of the level's mask pixels in the active rows' tile
+    regions, its running statistics updated as nn.BatchNorm2d updates them. ``mask``: the unit's binary mask at its
+    input resolution.
+
+    A list of bucket rows (CUDA: padding rows past the count) takes :func:`~detector.nn.norm.list_batch_norm`
+    (padding rows excluded, no host read). A list whose every row is an active block (off CUDA, where the rows are
+    the count: :func:`~detector.ops.capacity.uses_buckets`) takes the blocks' own kernels
+    (:func:`~detector.nn.norm.blocks_batch_norm`: nn.BatchNorm2d's, or the region sums' with a written-out
+    backward) and zeroes the pixels past the map in place - the same values in fewer passes."""
+
+    def __init__(self, chain: SparseConvChain, blist: BlockList, geo: ChainGeometry, mask: torch.Tensor) -> None:
+        self.chain, self.blist, self.geo, self.mask = chain, blist, geo, mask
+        self.slots = chain.slots
+        self._inside: dict[Level, torch.Tensor] = {}
+        # every row an active block: known without a sync only where the count is read anyway (off CUDA)
+        self.full = (any(map(uses_batch_stats, self.slots)) and not uses_buckets(blist.indices.device)
+                     and int(blist.count) == blist.capacity > 0)
+
+    def batch(self, j: int | None) -> bool:
+        return j is not None and uses_batch_stats(self.slots[j])
+
+    def folded(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Weight and bias of conv ``i`` with its output's BN (running statistics) folded in (none on a
+        pre-activation unit's last conv)."""
+        w, j = self.chain.convs[i].weight, _out_slot(self.chain, i)
+        if j is None:
+            return w, None
+        s, t = running_scale_shift(self.slots[j])
+        return w * s.view(-1, 1, 1, 1), t
+
+    def inside(self, level: Level) -> torch.Tensor:
+        """bool ``[capacity, 1, e_h, e_w]``: the block pixels of ``level`` inside its map (made once per level)."""
+        if level not in self._inside:
+            self._inside[level] = level_valid(self.blist.indices, level.region, level.offset, level.extent,
+                                              level.map_size)
+        return self._inside[level]
+
+    def level_masks(self, level: Level) -> LevelMasks:
+        """The blocks' pixels past ``level``'s map and the region pixels its statistics count (a full list only;
+        made once per list, mask and level: the units of a stage share them)."""
+        shared = _LEVEL_MASKS.get(self.blist)
+        if shared is None or shared[0] is not self.mask:
+            shared = _LEVEL_MASKS[self.blist] = (self.mask, {})
+        if level not in shared[1]:
+            shared[1][level] = level_masks(self.blist.indices, level, mask_at_stride(self.mask, level.stride))
+        return shared[1][level]
+
+    def __call__(self, j: int, z: torch.Tensor) -> torch.Tensor:
+        """Slot ``j`` (training mode) on the blocks ``z`` of its level."""
+        lv, bn = self.geo.levels[self.chain.slot_levels[j]], self.slots[j]
+        if needs_sync(bn):  # DDP: the moments of every process's pixels, one differentiable all-reduce per slot
+            return self._synchronized(bn, z, lv)
+        if self.full and self.level_masks(lv).count > 0:
+            y, m = blocks_batch_norm(bn, z, lv, self.level_masks(lv))
+        else:
+            y, m = list_batch_norm(bn, z, region_weights(self.blist, lv, mask_at_stride(self.mask, lv.stride)))
+        if m is not None:  # else nn.BatchNorm2d's kernel updated the running statistics itself
+            update_running_stats(bn, m)
+        return y
+
+    def _synchronized(self, bn: torch.nn.SyncBatchNorm, z: torch.Tensor, lv: Level) -> torch.Tensor:
+        """Slot ``bn`` with the moments of the union of every process's counted pixels (a process without any still
+        takes part: every process issues the same collectives, slot by slot)."""
+        if self.full:
+            lm = self.level_masks(lv)
+            local = region_moments(z, lv, lm) if lm.count > 0 else None
+        else:
+            local = list_moments(z, region_weights(self.blist, lv, mask_at_stride(self.mask, lv.stride)))
+        m = sync_moments(bn, local, z)
+        update_running_stats(bn, m)
+        return normalize(bn, z, m)
+
+    def relu_zero(self, a: torch.Tensor, level: Level) -> torch.Tensor:
+        """ReLU, block pixels outside ``level``'s map zeroed (the dense twin's padding for the next convolution);
+        in place on a full list (``a`` is a batch norm's output, which its backward does not read)."""
+        if not self.full:
+            return torch.where(self.inside(level), torch.relu(a), 0)
+        outside = self.level_masks(level).outside
+        if outside is not None:
+            zero_pixels(a, outside)
+        return torch.relu_(a)
+
+
+def _out_slot(chain: SparseConvChain, i: int) -> int | None:
+    """The BN slot that normalizes conv ``i``'s output (None: a pre-activation unit's last conv)."""
+    j = i + 1 if chain.preact else i
+    return j if j < len(chain.bns) else None
+
+
+def region_weights(blist: BlockList, level: Level, mask: torch.Tensor) -> torch.Tensor:
+    """bool ``[capacity, 1, e_h, e_w]``: the pixels of ``level``'s blocks that its batch statistics count - the pixels
+    of the level's mask ``mask`` (in the map) in the active rows' tile regions (block pixels ``offset ... offset +
+    region``)."""
+    (eh, ew), (ph, pw), (rh, rw) = level.extent, level.offset, level.region
+    dev = blist.indices.device
+    ry = (torch.arange(eh, device=dev) >= ph) & (torch.arange(eh, device=dev) < ph + rh)
+    rx = (torch.arange(ew, device=dev) >= pw) & (torch.arange(ew, device=dev) < pw + rw)
+    on = gather_windows(mask, blist.indices, level.extent, (level.region, level.offset)) > 0.5
+    return on & (ry[:, None] & rx[None, :]) & blist.valid.view(-1, 1, 1, 1)
+
+
+def chain_capacity(chain: SparseConvChain, x: torch.Tensor, blist: BlockList, mask: torch.Tensor,
+                   inplace: bool = False, tile: int | None = None) -> torch.Tensor:
+    """The chain on ``blist`` (module docstring; made by :func:`chain_list` from ``mask``, the unit's binary mask at
+    its input resolution) with output tiles of ``tile`` (None: the chain's block size); ``inplace``: an identity
+    unit writes into ``x`` itself (not under autograd).
+
+    Running statistics: each conv, its BN folded in, is one fused op. Training-mode batch norm: the convolution
+    unfused, the BN on its blocks with the list's batch moments (:class:`_ListNorm`), then ReLU and the level's
+    zeroing; a post-activation unit's last BN before the shortcut's add and the scatter."""
+    geo = chain.geometry(int(x.shape[2]), int(x.shape[3]), tile)
+    if blist.block != geo.block:
+        raise ValueError(f"{chain.name}: the block list was made for another geometry ({blist.block}); "
+                         f"this unit needs {geo.block}")
+    norm = _ListNorm(chain, blist, geo, mask)
+    lv, specs, L = geo.levels, chain.specs, len(chain.convs)
+    T = geo.tile
+    origin0 = (lv[0].region, lv[0].offset)
+    grad = torch.is_grad_enabled()
+    src, origin, pre, a0 = x, origin0, None, None  # the first conv's source: the map (gather fused) or blocks
+    if chain.preact and norm.batch(0):
+        a0 = norm.relu_zero(norm(0, sparse_gather(x, blist.indices, geo.block)), lv[0])
+        src, origin = a0, None
+    elif chain.preact:
+        pre = running_scale_shift(chain.bns[0])
+
+    def conv(i: int, a: torch.Tensor, **kw) -> torch.Tensor:  # noqa: ANN003
+        first = i == 0 and origin is not None
+        return conv_blocks(a, blist, *kw.pop("wb"), stride=specs[i].stride, origin=origin if first else None,
+                           extent=lv[0].extent if first else None, pre=pre if i == 0 else None, **kw)
+
+    a = src
+    for i in range(L - 1):
+        j = _out_slot(chain, i)
+        if norm.batch(j):
+            a = norm.relu_zero(norm(j, conv(i, a, wb=(chain.convs[i].weight, None))), lv[i + 1])
+        else:
+            a = conv(i, a, wb=norm.folded(i), relu=True,
+                     zero=(lv[i + 1].region, lv[i + 1].offset, lv[i + 1].map_size))
+    if L == 1 and origin is not None and not norm.batch(_out_slot(chain, 0)):
+        # the source blocks themselves (a 1-conv chain: no fused first convolution to gather them)
+        c = a.shape[1]
+        eye = torch.eye(c, dtype=a.dtype, device=a.device).view(c, c, 1, 1)
+        a = conv_blocks(a, blist, eye, None, origin=origin0, extent=lv[0].extent, pre=pre,
+                        zero=None if pre is None else (lv[0].region, lv[0].offset, lv[0].map_size))
+    post = not chain.preact
+    N, (Ho, Wo) = x.shape[0], geo.block.out_size
+    residual = None
+    if chain.shortcut == "projection":
+        residual = _projection(chain, norm, x, a0, blist, geo, pre)
+    if chain.shortcut == "identity":
+        base = x if inplace and not grad else x.clone(memory_format=_format(x))
+    else:
+        base = zeros_in_layout(x, (N, chain.out_channels, Ho, Wo))
+    add = "map" if chain.shortcut == "identity" else residual
+    j = _out_slot(chain, L - 1)
+    if not norm.batch(j):
+        return conv_scatter(a, blist, *norm.folded(L - 1), base, tile=T, residual=add, relu=post)
+    t = norm(j, conv(L - 1, a, wb=(chain.convs[L - 1].weight, None)))  # post-activation: relu(bn(conv) + shortcut)
+    if residual is not None:
+        t = t + residual
+    return scatter_padded(t, blist, base, add=chain.shortcut == "identity", relu=True, inplace=False)
+
+
+def _projection(chain: SparseConvChain, norm: _ListNorm, x: torch.Tensor, a0: torch.Tensor | None,
+                blist: BlockList, geo: ChainGeometry, pre: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """The projection shortcut's tiles ``[capacity, CO, T_h, T_w]``: the 1x1 stride-S convolution of the tile's
+    own input pixels (the pre-activation's ``a0``), its BN (post-activation) folded or with batch moments."""
+    T, S = geo.tile, chain.stride
+    js = len(chain.bns) if chain.proj_bn is not None else None
+    pw, pb = chain.proj.weight, None
+    if js is not None and not norm.batch(js):
+        s, t = running_scale_shift(chain.proj_bn)
+        pw, pb = pw * s.view(-1, 1, 1, 1), t
+    if a0 is not None:  # the pre-activation's blocks: the tile's pixels at stride S
+        (ph, pw0) = geo.levels[0].offset
+        r = conv_blocks(a0[:, :, ph : ph + S * T[0] : S, pw0 : pw0 + S * T[1] : S], blist, pw, pb)
+    else:
+        r = conv_blocks(x, blist, pw, pb, stride=S, origin=((T[0] * S, T[1] * S), (0, 0)),
+                        extent=((T[0] - 1) * S + 1, (T[1] - 1) * S + 1), pre=pre)
+    return norm(js, r) if norm.batch(js) else r
+
+
+def _format(x: torch.Tensor) -> torch.memory_format:
+    nhwc = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    return torch.channels_last if nhwc else torch.contiguous_format
+
+
+
+
+def chain_list(chain: SparseConvChain, mask: torch.Tensor, tile: int | tuple[int, int],
+               capacity: int | None = None) -> BlockList:
+    """The block list of ``chain`` at ``tile`` on ``mask`` (its input resolution, binary at the chain's ``tol``): the
+    tiles whose output holds a pixel of the mask at the output resolution (the list's ``mask``, where its tiles are
+    written). ``capacity`` rows (the count on the device, no host read), or None: exactly the active blocks
+    (``reduce_mask``: its count is data-dependent - a host read eagerly, a dynamic dimension under ``torch.export``)."""
+    geo = chain.geometry(int(mask.shape[2]), int(mask.shape[3]), tile)
+    m_out = mask_at_stride(chain.binary(mask), chain.stride)
+    if capacity is None:
+        idx = reduce_mask(m_out, geo.select, tol=0.5)
+        return BlockList(indices=idx, count=(idx[:, 0] >= 0).sum(), block=geo.block, mask=m_out)
+    return replace(reduce_mask_capacity(m_out, geo.select, int(capacity)), block=geo.block, mask=m_out)

@@ -16,13 +16,13 @@ Estimates are sums of a few terms whose constants are properties of the machine,
 In training every per-element term is tripled (the backward convolves and moves twice as much); the
 fixed per-unit costs are measured forward + backward.
 
-The *capacity* path (bounded block lists, :mod:`detector.nn.capacity`; its inference captured as a CUDA graph on a
-GPU) prices a training step as the exact path's on the lists' rows (unfused ops there too), and its inference with
-its own constants: per active block ``macs * fused_mac(T)`` (the fused gather + convolution + epilogue,
-measured as one) plus the scatter of its output tile ``* move``, and the fixed costs of a unit measured the way
-that path runs them - captured in a CUDA graph on a GPU, where a graph replay removes most of a layer call's
+The network runs on block lists (:mod:`detector.nn.capacity`; its inference captured as a CUDA graph on a GPU). A
+training step is priced as above on the lists' rows (unfused convolutions, batch norm passes, gather and scatter),
+inference with the fused ops' constants: per list row ``macs * fused_mac(T)`` (the fused gather + convolution +
+epilogue, measured as one) plus the scatter of its output tile ``* move``, and the fixed costs of a unit measured
+the way it runs - captured in a CUDA graph on a GPU, where a graph replay removes most of a layer call's
 launch and host cost - for a sparse unit (``capacity_unit``) and a dense one (``dense_unit_graph``). Its
-blocks are the list's capacity (its bucket), not the count: padding rows are launched too.
+blocks are the list's rows (on a GPU its bucket), not the count: padding rows are launched too.
 
 The constants come from :func:`calibrate` - a short measurement (about a second) on this machine, device
 and dtype - cached in a JSON file keyed by machine, torch, threads, device, dtype and the calibration's
@@ -49,11 +49,11 @@ import torch.nn.functional as F
 from detector.machine import cpu_model
 from detector.resources import cache_dir
 
-__all__ = ["CostModel", "PATHS", "dense_macs", "sparse_macs", "calibrate", "load_or_calibrate", "cost_key",
+__all__ = ["CostModel", "dense_macs", "sparse_macs", "calibrate", "load_or_calibrate", "cost_key",
            "default_cost_file", "machine_busy", "CALIBRATION_SHAPES"]
 
-CALIBRATION_SHAPES = ("v2: conv3x3 32->32 on 1x128x128 and on (128/T)^2 blocks of T+2 for T in 8,16,32 (plain and "
-                      "fused on a block list); chain 8ch 16x16 (exact, capacity path captured)")
+CALIBRATION_SHAPES = ("v3: conv3x3 32->32 on 1x128x128 and on (128/T)^2 blocks of T+2 for T in 8,16,32 (plain and "
+                      "fused on a block list); chain 8ch 16x16 on a block list (eager, captured)")
 TILES = (8, 16, 32)
 
 
@@ -69,8 +69,8 @@ class CostModel:
     sparse_unit: float
     dense_unit_train: float
     sparse_unit_train: float
-    # the capacity path (module docstring); a model without them (a config's hand-written cost) prices that path
-    # with the exact path's constants
+    # inference on block lists (module docstring); a model without them (a config's hand-written cost) prices it
+    # by the per-element terms above (gather, convolutions, passes, scatter) and sparse_unit
     fused_mac: tuple[tuple[int, float], ...] = ()
     capacity_unit: float | None = None
     dense_unit_graph: float | None = None
@@ -113,40 +113,27 @@ class CostModel:
         return min(table, key=lambda p: (abs(p[0] - tile), p[0]))[1]
 
     # ------------------------------------------------------------------------------------ estimates
-    def dense(self, chain, N: int, H: int, W: int, training: bool, path: str = "exact") -> float:
-        """Estimated seconds of ``chain`` (a SparseConvChain) run dense on an ``N x H x W`` map (``path``
-        'capacity': inside the capacity path's captured graph)."""
+    def dense(self, chain, N: int, H: int, W: int, training: bool) -> float:
+        """Estimated seconds of ``chain`` (a SparseConvChain) run dense on an ``N x H x W`` map (in inference as the
+        network runs it: inside a captured graph on a GPU)."""
         fixed = self.dense_unit_train if training else self.dense_unit
-        if _capacity(path, training) and self.dense_unit_graph is not None:
+        if not training and self.dense_unit_graph is not None:
             fixed = self.dense_unit_graph
         return (3 if training else 1) * _dense_work(self, chain, N, H, W) + fixed
 
-    def sparse(self, chain, N: int, H: int, W: int, tile: int, blocks: int, base: str, training: bool,
-               path: str = "exact") -> float:
-        """Estimated seconds of ``chain`` run sparse on ``blocks`` active blocks of output ``tile`` (``path``
-        'capacity': ``blocks`` rows of a block list, module docstring).
+    def sparse(self, chain, N: int, H: int, W: int, tile: int, blocks: int, base: str, training: bool) -> float:
+        """Estimated seconds of ``chain`` run sparse on ``blocks`` rows of a block list of output ``tile`` (module
+        docstring).
 
         ``base``: the map the tiles are written into - "zeros" (a fresh zero map), "copy" (a copy of the
         input map: a stage's first identity unit) or "inplace" (the stage's own intermediate)."""
-        if _capacity(path, training):
+        if not training and self.fused_mac:
             per_block, map_work = _capacity_work(self, chain, N, H, W, tile, base)
             fixed = self.capacity_unit if self.capacity_unit is not None else self.sparse_unit
             return blocks * per_block + map_work + fixed
         per_block, map_work = _sparse_work(self, chain, N, H, W, tile, base)
         work = blocks * per_block + map_work
         return (3 if training else 1) * work + (self.sparse_unit_train if training else self.sparse_unit)
-
-
-PATHS = ("exact", "capacity")
-
-
-def _capacity(path: str, training: bool) -> bool:
-    """Whether the capacity path's own constants price this (inference on it); its training step runs the exact
-    path's kind of ops - unfused convolutions, batch norm passes, gather and scatter - on the list's rows, and is
-    priced with the exact path's training constants (the caller passes the rows, not the count)."""
-    if path not in PATHS:
-        raise ValueError(f"CostModel: path must be one of {PATHS}, got {path!r}")
-    return path == "capacity" and not training
 
 
 # The plan prices every stage's options on every batch; what does not depend on the active blocks is computed once

@@ -111,13 +111,13 @@ class Plan:
 
 
 def measure(name: str, setting: int | str, units: Sequence, x_shape: Sequence[int], mask_out: torch.Tensor | None,
-            candidates: Sequence[int], prune: tuple[CostModel, bool, str] | None = None) -> StageInput:
+            candidates: Sequence[int], prune: tuple[CostModel, bool] | None = None) -> StageInput:
     """The plan input of one stage: active blocks per candidate tile (only the set tile for an int
     setting; none for dense) on the stage's mask at its output resolution, ``mask_out``: every unit's tiles are
     those whose output holds a pixel of it (the first unit's on its own output map, the others' on theirs, the
     same map).
 
-    ``prune`` (cost model, training, path): an ``auto`` stage where no candidate could beat dense even with no active
+    ``prune`` (cost model, training): an ``auto`` stage where no candidate could beat dense even with no active
     block at all - a sparse stage's estimate only grows with its blocks - is not measured (no candidate, so
     :func:`choose` takes dense, as it would have on any counts): each count costs a ``block_activity`` launch
     and a sum. Not under DDP, where every rank must measure the same stages (:meth:`Planner.prune`).
@@ -151,27 +151,23 @@ def settle(inputs: Sequence[StageInput]) -> list[StageInput]:
                                                 for k in c[1:])) for c in i.counts]) for i in inputs]
 
 
-def stage_cost(inp: StageInput, option: int | str, cost: CostModel, training: bool, path: str = "exact",
-               buckets: bool = True) -> float:
-    """Estimated seconds of the stage run dense (``option == 'dense'``) or sparse with that tile, on the exact
-    path or the capacity path (whose lists hold the bucket of the count, or with ``buckets`` False the count:
-    :func:`list_rows`)."""
+def stage_cost(inp: StageInput, option: int | str, cost: CostModel, training: bool, buckets: bool = True) -> float:
+    """Estimated seconds of the stage run dense (``option == 'dense'``) or sparse with that tile on its block lists
+    (which hold the bucket of the count, or with ``buckets`` False the count: :func:`list_rows`)."""
     (N, H, W), (Hr, Wr) = inp.shape, inp.rest_hw
     first, rest = inp.units[0], inp.units[1:]
     if option == DENSE:
-        return cost.dense(first, N, H, W, training, path) + sum(cost.dense(u, N, Hr, Wr, training, path)
-                                                               for u in rest)
+        return cost.dense(first, N, H, W, training) + sum(cost.dense(u, N, Hr, Wr, training) for u in rest)
     _, k1, kr = next(c for c in inp.counts if c[0] == option)
-    if path == "capacity":
-        k1, kr = list_rows(inp, option, k1, kr, buckets=buckets)
+    k1, kr = list_rows(inp, option, k1, kr, buckets=buckets)
     base = "copy" if first.shortcut == "identity" else "zeros"
-    return cost.sparse(first, N, H, W, option, k1, base, training, path) + sum(
-        cost.sparse(u, N, Hr, Wr, option, kr, "inplace", training, path) for u in rest)
+    return cost.sparse(first, N, H, W, option, k1, base, training) + sum(
+        cost.sparse(u, N, Hr, Wr, option, kr, "inplace", training) for u in rest)
 
 
 def list_rows(inp: StageInput, tile: int, k1: int, kr: int, smallest: int = 8, buckets: bool = True
               ) -> tuple[int, int]:
-    """The rows of the block lists the capacity path runs a stage on at ``tile`` given its counts: the
+    """The rows of the block lists a stage runs on at ``tile`` given its counts: the
     smallest bucket (:func:`~detector.ops.capacity.bucket_for`) of the first unit's grid that holds ``k1`` and
     of the other units' grid that holds ``kr`` (0 for a one-unit stage); ``buckets`` False
     (:func:`~detector.ops.capacity.uses_buckets`): the counts themselves (at least one row)."""
@@ -197,17 +193,15 @@ def stage_macs(inp: StageInput, option: int | str) -> int:
     return sparse_macs(first, H, W, option, k1) + sum(sparse_macs(u, Hr, Wr, option, kr) for u in rest)
 
 
-def choose(inputs: Sequence[StageInput], cost: CostModel, training: bool, path: str = "exact",
-           buckets: bool = True) -> Plan:
+def choose(inputs: Sequence[StageInput], cost: CostModel, training: bool, buckets: bool = True) -> Plan:
     """THE decision (pure): per stage its set value, or for 'auto' the option of least estimated cost
-    (dense first, then the tiles in increasing order; a later option must be strictly cheaper) on ``path``
-    ('exact': the sparse ops sized by the counts; 'capacity': bounded block lists, :mod:`detector.nn.capacity`,
-    of a bucket's rows or, ``buckets`` False, of the counts)."""
+    (dense first, then the tiles in increasing order; a later option must be strictly cheaper) on block lists
+    (:mod:`detector.nn.capacity`) of a bucket's rows or, ``buckets`` False, of the counts."""
     inputs = settle(inputs)
     choices, estimates, macs = [], [], []
     for inp in inputs:
         options = [DENSE] + sorted(c[0] for c in inp.counts)
-        est = [(o, stage_cost(inp, o, cost, training, path, buckets)) for o in options]
+        est = [(o, stage_cost(inp, o, cost, training, buckets)) for o in options]
         macs.append(tuple((o, stage_macs(inp, o)) for o in options))
         if inp.setting == AUTO:
             best = est[0]
@@ -245,7 +239,7 @@ class Planner:
         self._memo: dict[tuple, Plan] = {}
         self._seen: set[tuple] = set()
         self._new: list[Plan] = []
-        self._printed: set[tuple[bool, str]] = set()
+        self._printed: set[bool] = set()
         self.report_plans = 10  # distinct plans handed to take_new (TensorBoard text), the first ones
         self.last: Plan | None = None
 
@@ -275,29 +269,27 @@ class Planner:
             self._models[(dev, getattr(torch, dtype))] = CostModel.from_dict(d)
         self._memo.clear()  # plans decided under the models these replace
 
-    def prune(self, device: torch.device, dtype: torch.dtype, training: bool, path: str = "exact"
-              ) -> tuple[CostModel, bool, str] | None:
+    def prune(self, device: torch.device, dtype: torch.dtype, training: bool) -> tuple[CostModel, bool] | None:
         """:func:`measure`'s ``prune``: this planner's cost model, except under DDP in training (every rank
         must then measure the same stages: their counts are summed)."""
-        return None if self._shared(training) else (self.cost_model(device, dtype), training, path)
+        return None if self._shared(training) else (self.cost_model(device, dtype), training)
 
     def _shared(self, training: bool) -> bool:
         """Whether the plan is decided for all ranks: inputs summed over them, rank 0's plan broadcast."""
         return self.sync and training and _distributed()
 
-    def decide(self, inputs: Sequence[StageInput], device: torch.device, dtype: torch.dtype, training: bool,
-               path: str = "exact") -> Plan:
-        """The plan of these inputs (:func:`choose`; ``path``: 'exact' or 'capacity')."""
+    def decide(self, inputs: Sequence[StageInput], device: torch.device, dtype: torch.dtype, training: bool) -> Plan:
+        """The plan of these inputs (:func:`choose`)."""
         inputs = settle(inputs)
         shared = self._shared(training)
         if shared:
             inputs = _sum_over_ranks(inputs, device)
         buckets = uses_buckets(device)
-        key = (training, path, buckets, tuple((i.name, i.setting, id(i.units[0]), i.shape, i.rest_hw, i.counts)
+        key = (training, buckets, tuple((i.name, i.setting, id(i.units[0]), i.shape, i.rest_hw, i.counts)
                                      for i in inputs))
         plan = self._memo.get(key)
         if plan is None:
-            plan = choose(inputs, self.cost_model(device, dtype), training, path, buckets)
+            plan = choose(inputs, self.cost_model(device, dtype), training, buckets)
             if len(self._memo) > 1024:
                 self._memo.clear()
             self._memo[key] = plan
@@ -307,9 +299,9 @@ class Planner:
             self._seen.add(plan.choices)
             if len(self._seen) <= self.report_plans:
                 self._new.append(plan)
-            if (training, path) not in self._printed and (not _distributed() or dist.get_rank() == 0):
-                self._printed.add((training, path))
-                what = "training" if training else "inference" if path == "exact" else "inference, capacity path"
+            if training not in self._printed and (not _distributed() or dist.get_rank() == 0):
+                self._printed.add(training)
+                what = "training" if training else "inference"
                 print(f"execution plan ({what}; batch of {inputs[0].shape[0]}; "
                       "it is decided per batch, later ones are logged as plan/<stage> scalars):\n"
                       + plan.describe(), flush=True)

@@ -29,7 +29,6 @@ choice gives the same output.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import torch
@@ -37,7 +36,8 @@ from torch import nn
 
 from detector.errors import ConfigError
 
-from .chain import ActiveBlocks, SparseConvChain
+from .capacity import forward_capacity, plan_capacities, stage_capacity
+from .chain import SparseConvChain
 from .geometry import mask_at_stride
 from .plan import AUTO, DENSE, Planner, StageInput, check_setting, measure
 
@@ -65,7 +65,6 @@ class SparseResidualUnit(SparseConvChain):
         mid_channels: int | None = None,
         block_size: int | tuple[int, int] = 16,
         tol: float = 0.5,
-        memory_budget_mb: float = 1024.0,
     ) -> None:
         if stride not in (1, 2):
             raise ValueError(f"SparseResidualUnit: stride must be 1 or 2, got {stride}")
@@ -85,7 +84,6 @@ class SparseResidualUnit(SparseConvChain):
             shortcut="projection" if projection else "identity",
             block_size=block_size,
             tol=tol,
-            memory_budget_mb=memory_budget_mb,
             name=f"SparseResidualUnit({'bottleneck' if bottleneck else 'basic'}, "
             f"{in_channels}->{out_channels}, "
             f"stride {stride}{', preact' if preact else ''})",
@@ -128,13 +126,7 @@ class SparseStage(nn.Module):
             for u in self.units[1:]:
                 x = u(x, mask=m, dense=True)
             return x, m
-        x_in = x
-        x = first(x, mask=m)
-        m = mask_at_stride(m, first.stride)
-        if len(self.units) > 1:
-            blocks: ActiveBlocks = self.units[1].active_blocks(m)
-            for u in self.units[1:]:  # in place into the stage's own intermediates only (training too)
-                x = u(x, blocks=blocks, inplace=x is not x_in)
+        x, m, _, _ = stage_capacity(self, x, m, first.block_size)
         return x, m
 
 
@@ -157,7 +149,6 @@ class SparseResNet(nn.Module):
         preact: bool = False,
         block_size: int | str | Sequence[int | str] = 16,
         tol: float = 0.5,
-        memory_budget_mb: float = 1024.0,
         channels_last: bool = True,
         planner: Planner | None = None,
     ) -> None:
@@ -179,9 +170,8 @@ class SparseResNet(nn.Module):
         self.block_sizes: list[int | str] = sizes
         self.channels_last = channels_last
         self.tol = float(tol)
-        self.memory_budget_mb = float(memory_budget_mb)
         self.planner = planner if planner is not None else Planner()
-        common = dict(tol=tol, memory_budget_mb=memory_budget_mb)
+        common = dict(tol=tol)
         first_tile = lambda b: b if isinstance(b, int) else 16  # noqa: E731  (auto/dense set at run time)
         stem = SparseConvChain(
             in_channels,
@@ -224,14 +214,13 @@ class SparseResNet(nn.Module):
         return ["stem"] + [f"stage{i}" for i in range(1, len(self.stages))]
 
     def plan_inputs(self, x_shape: tuple[int, ...], mask: torch.Tensor,
-                    settings: list[int | str] | None = None, path: str = "exact") -> list[StageInput]:
+                    settings: list[int | str] | None = None) -> list[StageInput]:
         """The plan inputs of every stage (:func:`detector.nn.plan.measure`) for an input of ``x_shape`` and
         its ``mask`` (in the input's dtype); the masks per stage are those :meth:`forward` passes (max-pooled
-        after stride 2). ``path``: what the pruning of 'auto' stages prices (no cost model is needed when no
-        stage is 'auto')."""
+        after stride 2); no cost model is needed when no stage is 'auto'."""
         settings = self.block_sizes if settings is None else settings
         N, (H, W) = x_shape[0], x_shape[-2:]
-        prune = self.planner.prune(mask.device, mask.dtype, self.training, path) if AUTO in settings else None
+        prune = self.planner.prune(mask.device, mask.dtype, self.training) if AUTO in settings else None
         out = []
         for name, stage, setting in zip(self.stage_names, self.stages, settings, strict=True):
             units = list(stage.units)
@@ -265,29 +254,7 @@ class SparseResNet(nn.Module):
                     f"got {tuple(getattr(mask, 'shape', ()))}"
                 )
             mask = mask.to(x.dtype)
-        if self.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        if mask is not None and modes is None:
-            modes = list(self.block_sizes)
-            if AUTO in modes:
-                modes = list(self.planner.decide(self.plan_inputs(tuple(x.shape), mask), x.device, x.dtype,
-                                                 self.training).choices)
-        feats = []
-        for i, (name, stage) in enumerate(zip(self.stage_names, self.stages, strict=True)):
-            t0 = _now(x) if times is not None else 0.0
-            dense = mask is None or modes[i] == DENSE
-            if not dense:
-                stage.set_block_size(int(modes[i]))
-            x, mask = stage(x, mask, dense=dense)
-            if i > 0:
-                feats.append(x)
-            if times is not None:
-                key = f"backbone/{name}"
-                times[key] = times.get(key, 0.0) + _now(x) - t0
-        return feats
-
-
-def _now(x: torch.Tensor) -> float:
-    if x.is_cuda:
-        torch.cuda.synchronize(x.device)
-    return time.perf_counter()
+        if mask is None:  # the dense network
+            return forward_capacity(self, x, None, [DENSE] * len(self.stages), [None] * len(self.stages), times)[0]
+        modes, caps = plan_capacities(self, x, mask, modes)  # the plan's and the counts' one read
+        return forward_capacity(self, x, mask, modes, caps, times)[0]

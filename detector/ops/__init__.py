@@ -6,7 +6,6 @@
     blocks = sparse_gather(x, idx, bp)                        # [K, C, bp.bsize_h, bp.bsize_w]
     y = sparse_scatter(out_blocks, idx, base, bp, add=True)   # like base (differentiable); relu=True: relu(base + tile)
     sparse_scatter_(out_blocks, idx, base, bp, add=True)      # in place into base (differentiable too)
-    ResidualBlocks(x, idx, bp, inplace)                       # an identity unit's fused gather + residual scatter
     s = region_sums(z, None, offset, size, pixels)            # float64 [2, C]: sums of z, z^2 over blocks' tile regions
     dz = region_norm_grad(g, z, scale, c0, c1, offset, size)  # batch-norm's input gradient over tile regions
 
@@ -25,7 +24,6 @@ from .functional import (
     sparse_scatter,
     sparse_scatter_,
 )
-from .residual import ResidualBlocks
 
 __all__ = [
     "BlockParams",
@@ -35,7 +33,6 @@ __all__ = [
     "sparse_gather",
     "sparse_scatter",
     "sparse_scatter_",
-    "ResidualBlocks",
     "region_sums",
     "region_norm_grad",
 ]

@@ -53,7 +53,7 @@ class BlockList:
 
     @property
     def capacity(self) -> int:
-        return int(self.indices.shape[0])
+        return self.indices.shape[0]  # an int; traced (torch.export), a symbol: no int() of it
 
     @property
     def valid(self) -> torch.Tensor:
@@ -188,6 +188,8 @@ def scatter_padded(tiles: torch.Tensor, blist: BlockList, base: torch.Tensor, ad
         op = reference.sparse_scatter_ if inplace else reference.sparse_scatter
         return op(new, idx, base, bp, add_flag, False)
     args = (new, idx, base, list(tile), [0, 0], add_flag, False)
+    if inplace and torch.compiler.is_exporting():  # a program holds no in-place custom op (ONNX has none): copy back
+        return base.copy_(torch.ops.sbnet.sparse_scatter(*args))
     if inplace:
         torch.ops.sbnet.sparse_scatter_(*args)
         return base

@@ -25,17 +25,3 @@ def test_bench_model_times_a_checkpoint_with_its_bound_and_stage_times(tmp_path,
     for r in rows:
         assert list(r["stage_ms"]) == stages and all(v > 0 for v in r["stage_ms"].values())
     assert "MAC bound" in out.with_suffix(".md").read_text()
-
-
-def test_bench_model_on_the_capacity_path(tmp_path, tiny_root):
-    """A checkpoint set to the capacity path (what a GPU runs by default): the network is timed as one piece."""
-    ckpt = train(_cfg(tmp_path / "run", tiny_root, "mask=predicted", "model.block_size=16",
-                      "model.head_block_size=16", "model.inference_path=capacity", "trainer.max_steps=2",
-                      "callbacks.model_checkpoint.monitor=null", "evaluate_after=false", "logger=none",
-                      "trainer.limit_val_batches=0"))["best_ckpt"]
-    out = tmp_path / "bench" / "model.json"
-    assert bench.main([f"ckpt_path={ckpt}", f"root={tiny_root}", "masks=predicted", "batches=1", "frames=2",
-                       "reps=1", f"out={out}"]) == 0
-    (row,) = [r for r in json.loads(out.read_text())["rows"] if r["mask"] == "predicted"]
-    assert row["shares"]["network"] > 0 and row["stage_ms"] == {}  # no per-stage split inside the graph
-    assert "(with the head)" in out.with_suffix(".md").read_text()

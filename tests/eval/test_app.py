@@ -160,25 +160,15 @@ def test_readme_evaluation_command_parses_and_runs(car_root, predicted_ckpt, tmp
         assert _metrics_from_files(out) == {k: v for k, v in js.items() if k != "_run"}
 
 
-def test_inference_path_override_at_evaluation(car_root, predicted_ckpt, tmp_path):
-    """``inference_path=capacity`` runs the checkpoint on the capacity path (on the CPU too), a bad value is one
-    line naming the key."""
-    from detector.build import load_detector
-
-    assert load_detector(predicted_ckpt)[0].inference_path == "auto"  # the checkpoint's
-    assert load_detector(predicted_ckpt, inference_path="capacity")[0].inference_path == "capacity"
-    out = tmp_path / "eval_capacity"
+def test_bad_block_size_at_evaluation_is_one_line_naming_the_key(car_root, predicted_ckpt, tmp_path):
+    """``block_size=`` a value that is no tile, dense or auto: one line naming the key, no traceback (the values that
+    run: tests/commands/test_execution_invariance.py)."""
     r = subprocess.run([sys.executable, "scripts/evaluate.py", f"ckpt_path={predicted_ckpt}", "data=kitti",
-                        f"data.root={car_root}", "inference_path=capacity", f"paths.output_dir={out}"],
-                       cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "Car AP_R40@0.70, 0.70, 0.70:" in r.stdout and (out / "metrics.json").is_file()
-    r = subprocess.run([sys.executable, "scripts/evaluate.py", f"ckpt_path={predicted_ckpt}", "data=kitti",
-                        f"data.root={car_root}", "inference_path=fast", f"paths.output_dir={tmp_path / 'bad'}"],
+                        f"data.root={car_root}", "block_size=fast", f"paths.output_dir={tmp_path / 'bad'}"],
                        cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode != 0
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
-    assert lines[-1].startswith("error:") and "model.inference_path" in lines[-1] and "Traceback" not in r.stderr
+    assert lines[-1].startswith("error:") and "block_size" in lines[-1] and "Traceback" not in r.stderr
 
 
 def test_mask_net_the_checkpoint_did_not_train_is_refused(predicted_ckpt, tmp_path):

@@ -1,13 +1,15 @@
-"""The detector under bfloat16 autocast (what ``trainer=gpu``'s ``bf16-mixed`` runs), on the CPU: both sparse paths
-run (the maps keep their dtype, the tiles come out of the convolutions in bfloat16) and stay within bfloat16's
-precision of their float32 selves - forward, and a training step's loss and gradients, judged against what bfloat16
-costs the ordinary dense network (torch's own convolutions and batch norm under the same autocast)."""
+"""The detector under bfloat16 autocast (what ``trainer=gpu``'s ``bf16-mixed`` runs), on the CPU: on lists of
+the active blocks and on a GPU's padded lists, it runs (the maps keep their dtype, the tiles come out of the
+convolutions in bfloat16) and stays within bfloat16's precision of its float32 self - forward, and a training
+step's loss and gradients, judged against what bfloat16 costs the ordinary dense network (torch's own convolutions
+and batch norm under the same autocast)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tests.conftest import gpu_lists
 from tests.models.test_capacity_path import _mask, _model
 from tests.models.test_detector import _batch
 
@@ -22,11 +24,11 @@ def _batch_with_mask():
     return batch
 
 
-@pytest.mark.parametrize("path", ["exact", "capacity"])
+@pytest.mark.parametrize("path", ["counts", "buckets"])
 def test_inference_under_bf16_autocast_stays_within_bf16_precision(path):
     batch = _batch_with_mask()
-    model = _model(16, 16, path).eval()
-    with torch.no_grad():
+    model = _model(16, 16).eval()
+    with torch.no_grad(), gpu_lists(path == "buckets"):
         want = model(batch)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             got = model(batch)
@@ -39,14 +41,13 @@ def test_inference_under_bf16_autocast_stays_within_bf16_precision(path):
 def _step(path: str, autocast: bool, dense: bool = False) -> tuple[float, torch.Tensor]:
     """A training step's loss and every parameter's gradient, concatenated."""
     batch = _batch_with_mask()
-    model = _model(16, 16, path).train()
-    model.train_path = path
+    model = _model(16, 16).train()
     model.use_data_mask = not dense
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), gpu_lists(path == "buckets"):
         out = model(batch)
         loss, _ = model.loss(out, batch)
-    loss.backward()
-    return float(loss), torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+        loss.backward()
+    return float(loss.detach()), torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
 
 
 def test_training_step_under_bf16_autocast_stays_within_what_bf16_costs_the_dense_network():
@@ -54,10 +55,10 @@ def test_training_step_under_bf16_autocast_stays_within_what_bf16_costs_the_dens
     more than 1.5 times the dense network's own under the same autocast, and pointing the same way (cosine > 0.9).
     bfloat16's per-parameter errors are large for the small, cancelling sums of batch-norm gradients - the dense
     network's reach 0.6 of their own size here - so the gradient is judged as a whole."""
-    _, d32 = _step("exact", False, dense=True)
-    _, d16 = _step("exact", True, dense=True)
+    _, d32 = _step("counts", False, dense=True)
+    _, d16 = _step("counts", True, dense=True)
     dense_err = float((d16 - d32).norm() / d32.norm())
-    for path in ("exact", "capacity"):
+    for path in ("counts", "buckets"):
         l32, g32 = _step(path, False)
         l16, g16 = _step(path, True)
         assert abs(l16 - l32) <= 1e-3 * abs(l32), (path, l16, l32)

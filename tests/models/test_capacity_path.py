@@ -1,6 +1,6 @@
-"""The whole detector on the capacity path (bounded block lists, BevDetector.capacity_forward): in inference and in
-a training step the exact path's outputs (and gradients, running statistics), no data-dependent host call inside the
-network, one plan priced for that path, overflow rerun (inference) or error (training), and the choice of path."""
+"""The whole detector on block lists (BevDetector.capacity_forward): in inference and in a training step the masked
+dense network's outputs (and gradients, running statistics), no data-dependent host call inside the network on a
+GPU's lists, the plan it runs, overflow rerun (inference) or error (training)."""
 
 from __future__ import annotations
 
@@ -10,38 +10,43 @@ import logging
 import pytest
 import torch
 
-from detector.errors import ConfigError
-from detector.models import detector as det
 from detector.models.detector import BevDetector, masks_at_strides
 from detector.models.targets import BoxCoder
 from detector.nn import capacity
 from detector.nn.cost import CostModel
-from detector.nn.plan import Planner
+from detector.nn.plan import DENSE, Planner
 from detector.nn.resnet import SparseResNet
 from tests.models.test_detector import GRID, _batch
 from tests.nn.test_capacity import SYNCS, _Calls
 
-# a hand-set cost model (no calibration in the tests): sparse cheap per block, so 'auto' picks tiles on sparse
-# masks; the capacity path's fixed cost above the exact one's
+# a hand-set cost model (no calibration in the tests): sparse cheap per block, so 'auto' picks tiles on sparse masks
 COST = CostModel(dense_mac=1e-9, block_mac=((8, 5e-10), (16, 5e-10), (32, 5e-10)), move=1e-10, pass_=1e-10,
                  dense_unit=1e-5, sparse_unit=2e-5, dense_unit_train=1e-5, sparse_unit_train=2e-5,
                  fused_mac=((8, 4e-10), (16, 4e-10), (32, 4e-10)), capacity_unit=3e-5, dense_unit_graph=1e-6)
 
 
-def _model(block=8, head_block=16, path="capacity", preact=False) -> BevDetector:
+def _model(block=8, head_block=16, preact=False) -> BevDetector:
     torch.manual_seed(0)
     backbone = SparseResNet(GRID.C, stem_channels=8, stage_units=(1, 2, 1), stage_channels=(8, 12, 16),
                             stage_strides=(2, 2, 2), bottleneck=False, block_size=block, preact=preact,
                             planner=Planner(cost=COST))
     model = BevDetector(GRID, backbone=backbone, coder=BoxCoder(["Car"]), neck_channels=8, head_channels=8,
-                        out_stride=4, head_block_size=head_block, mask_dilation_m=2.0, sparse=True,
-                        inference_path=path)
+                        out_stride=4, head_block_size=head_block, mask_dilation_m=2.0, sparse=True)
     for m in model.modules():  # running statistics away from (0, 1): the batch norm folding is exercised
         if isinstance(m, torch.nn.BatchNorm2d):
             m.running_mean.uniform_(-0.3, 0.3)
             m.running_var.uniform_(0.5, 2.0)
             m.bias.data.uniform_(-0.2, 0.2)
     return model.eval()
+
+
+def _dense_twin(model: BevDetector) -> BevDetector:
+    """The same weights with every stage dense: whole maps, each unit's mask applied to its output (the reference:
+    dense convolutions of the masked maps, no block list anywhere)."""
+    twin = copy.deepcopy(model)
+    twin.backbone.block_sizes = [DENSE] * len(twin.backbone.block_sizes)
+    twin.head_block_size = DENSE
+    return twin
 
 
 def _mask(kind: str, n: int = 2) -> torch.Tensor:
@@ -57,44 +62,33 @@ def _mask(kind: str, n: int = 2) -> torch.Tensor:
 
 
 def _both(model: BevDetector, batch) -> tuple:
-    """(exact, capacity) outputs; for 'auto' settings the exact path runs the capacity plan's modes (the two
-    paths price their options differently; on active tiles every choice gives the same values, and a dense stage
-    gives dense values on the inactive ones too)."""
+    """(the dense twin's, the model's) outputs."""
     with torch.no_grad():
-        model.inference_path = "capacity"
-        cap = model(batch)
-        model.inference_path = "exact"
-        if cap.plan is None:
-            exact = model(batch)
-        else:
-            bev = model.voxelize(batch)
-            heat, reg = model.sparse_maps(bev, batch.mask, masks_at_strides(batch.mask, model.neck.strides),
-                                          list(cap.plan.choices))
-            exact = det.DetectorOutput(heat, reg, batch.mask)
-    return exact, cap
+        return _dense_twin(model)(batch), model(batch)
 
 
 @pytest.mark.parametrize("block,head_block", [(8, 16), (16, 8), (["dense", 8, 16, 8], "dense"), ("auto", "auto")])
 @pytest.mark.parametrize("kind", ["patch", "none", "all"])
-def test_equals_the_exact_path(block, head_block, kind):
+def test_equals_the_masked_dense_network(block, head_block, kind):
     model = _model(block, head_block)
     batch = _batch(2)
     batch.mask = _mask(kind)
-    exact, cap = _both(model, batch)
-    torch.testing.assert_close(cap.heatmap, exact.heatmap, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(cap.regression, exact.regression, rtol=1e-4, atol=1e-4)
+    want, got = _both(model, batch)
+    torch.testing.assert_close(got.heatmap, want.heatmap, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.regression, want.regression, rtol=1e-4, atol=1e-4)
 
 
-def test_equals_the_exact_path_preactivation():
+def test_equals_the_masked_dense_network_preactivation():
     model = _model(8, 8, preact=True)
     batch = _batch(1)
     batch.mask = _mask("patch", 1)
-    exact, cap = _both(model, batch)
-    torch.testing.assert_close(cap.heatmap, exact.heatmap, rtol=1e-4, atol=1e-4)
+    want, got = _both(model, batch)
+    torch.testing.assert_close(got.heatmap, want.heatmap, rtol=1e-4, atol=1e-4)
 
 
-def test_no_host_call_inside_the_network():
-    """Backbone, neck and head on the lists: no nonzero / item / _local_scalar_dense once the plan is read."""
+def test_no_host_call_inside_the_network(cuda_lists):
+    """Backbone, neck and head on a GPU's lists (buckets): no nonzero / item / _local_scalar_dense once the plan is
+    read."""
     model = _model("auto", "auto")
     batch = _batch(2)
     batch.mask = _mask("patch")
@@ -105,13 +99,10 @@ def test_no_host_call_inside_the_network():
         assert plan is not None and any(m != "dense" for m in modes)
         with _Calls() as calls:
             model.capacity_maps(bev, batch.mask, lm, modes, caps)
-        with _Calls() as exact:
-            model.sparse_maps(bev, batch.mask, lm, modes)
     assert calls.seen and not [f for f in calls.seen if f.startswith(SYNCS)]
-    assert [f for f in exact.seen if f.startswith(SYNCS)]  # the check does see the exact path's reads
 
 
-def test_the_plan_is_priced_for_the_capacity_path():
+def test_the_forward_runs_the_plan_of_its_one_read():
     model = _model("auto", "auto")
     batch = _batch(2)
     batch.mask = _mask("patch")
@@ -122,10 +113,7 @@ def test_the_plan_is_priced_for_the_capacity_path():
         bev = model.voxelize(batch)
         lm = masks_at_strides(batch.mask, model.neck.strides)
         _, _, plan = model.capacity_plan(tuple(bev.shape), batch.mask, lm)
-        _, exact_plan = model.execution_modes(tuple(bev.shape), batch.mask, lm)
-    assert out.plan.choices == plan.choices
-    # same inputs, other prices: the capacity path's fixed costs (COST) differ from the exact path's
-    assert plan.estimates_ms != exact_plan.estimates_ms
+    assert out.plan.choices == plan.choices and any(c != DENSE for c in plan.choices)
 
 
 def test_overflow_reruns_and_loses_no_block(monkeypatch, caplog):
@@ -133,9 +121,7 @@ def test_overflow_reruns_and_loses_no_block(monkeypatch, caplog):
     batch = _batch(2)
     batch.mask = _mask("patch")
     with torch.no_grad():
-        model.inference_path = "exact"
-        want = model(batch)
-        model.inference_path = "capacity"
+        want = _dense_twin(model)(batch)
     real = capacity.capacities
     calls = []
 
@@ -152,31 +138,9 @@ def test_overflow_reruns_and_loses_no_block(monkeypatch, caplog):
     torch.testing.assert_close(got.regression, want.regression, rtol=1e-4, atol=1e-4)
 
 
-def test_which_path_runs():
-    model = _model(8, 8, path="auto")
-    bev = torch.zeros(1, GRID.C, GRID.H, GRID.W)
-    with torch.no_grad():
-        assert not model.uses_capacity_path(bev)  # auto: exact on the CPU
-        model.inference_path = "capacity"
-        assert model.uses_capacity_path(bev)
-        model.train()
-        assert not model.uses_capacity_path(bev)  # training: train_path, auto: exact on the CPU
-        model.train_path = "capacity"
-        assert model.uses_capacity_path(bev)
-    model.eval()
-    assert model.uses_capacity_path(bev)  # autograd on: train_path
-    model.train_path = "exact"
-    assert not model.uses_capacity_path(bev)
-    for key in ("inference_path", "train_path"):
-        with pytest.raises(ConfigError, match=f"model.{key}"):
-            BevDetector(GRID, backbone=model.backbone, coder=BoxCoder(["Car"]), neck_channels=8, head_channels=8,
-                        out_stride=4, head_block_size=8, mask_dilation_m=2.0, sparse=True, **{key: "fast"})
-
-
-def _train_step(model: BevDetector, batch, path: str, bev: torch.Tensor | None = None):
-    """Loss and gradients of one training step on ``path`` (the model in training mode)."""
+def _train_step(model: BevDetector, batch, bev: torch.Tensor | None = None):
+    """Loss and gradients of one training step (the model in training mode)."""
     model.train()
-    model.train_path = path
     model.zero_grad(set_to_none=True)
     out = model(batch, bev=bev)
     loss, _ = model.loss(out, batch)
@@ -186,20 +150,20 @@ def _train_step(model: BevDetector, batch, path: str, bev: torch.Tensor | None =
 
 @pytest.mark.parametrize("block,head_block", [(8, 16), (16, 8), (["dense", 8, 16, 8], "dense")])
 @pytest.mark.parametrize("kind", ["patch", "none"])
-def test_training_step_equals_the_exact_path(block, head_block, kind):
-    """A training step on the capacity path (batch norm with the lists' batch moments): the exact path's outputs,
-    loss, gradients of every parameter and running statistics."""
-    exact_model = _model(block, head_block).double()
-    cap_model = copy.deepcopy(exact_model)
+def test_training_step_equals_the_masked_dense_network(block, head_block, kind):
+    """A training step on block lists (batch norm with the lists' batch moments): the dense twin's outputs, loss,
+    gradients of every parameter and running statistics."""
+    cap_model = _model(block, head_block).double()
+    exact_model = _dense_twin(cap_model)
     batch = _batch(2)
     batch.mask = _mask(kind)
     bev = exact_model.voxelize(batch).double()
-    want, want_loss = _train_step(exact_model, batch, "exact", bev)
-    got, got_loss = _train_step(cap_model, batch, "capacity", bev)
+    want, want_loss = _train_step(exact_model, batch, bev)
+    got, got_loss = _train_step(cap_model, batch, bev)
     torch.testing.assert_close(got.heatmap, want.heatmap, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-9, atol=1e-9)
     for (name, a), b in zip(cap_model.named_parameters(), exact_model.parameters(), strict=True):
-        ga = torch.zeros_like(a) if a.grad is None else a.grad  # no active block: no gradient on the exact path
+        ga = torch.zeros_like(a) if a.grad is None else a.grad  # no active block: no gradient on the lists
         gb = torch.zeros_like(b) if b.grad is None else b.grad
         torch.testing.assert_close(ga, gb, rtol=1e-8, atol=1e-9, msg=name)
     for (name, a), b in zip(cap_model.named_buffers(), exact_model.buffers(), strict=True):
@@ -207,10 +171,9 @@ def test_training_step_equals_the_exact_path(block, head_block, kind):
 
 
 def test_training_step_with_the_plan_and_no_host_call_inside(cuda_lists):
-    """train_path=capacity with 'auto' settings, a GPU's lists: one plan priced for a training step on this path;
-    the network's forward and backward make no data-dependent host call once it is read."""
+    """'auto' settings, a GPU's lists: one plan priced for a training step; the network's forward and backward make
+    no data-dependent host call once it is read."""
     model = _model("auto", "auto").train()
-    model.train_path = "capacity"
     batch = _batch(2)
     batch.mask = _mask("patch")
     bev = model.voxelize(batch)
@@ -230,7 +193,6 @@ def test_training_overflow_stops_with_an_error(monkeypatch):
     running statistics, so it cannot rerun; it stops with a readable error (the lists come from this batch's own
     counts, so only a bug can get here)."""
     model = _model(8, 8).train()
-    model.train_path = "capacity"
     batch = _batch(2)
     batch.mask = _mask("patch")
     real = capacity.capacities
@@ -269,32 +231,33 @@ def test_compiles_fullgraph():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_graph_replay_equals_the_exact_path_on_the_gpu(dtype):
-    """On CUDA: the captured capacity path (the Triton kernels, a graph per shape, plan and buckets) gives the exact
-    path's outputs, at its capture and at a replay on another batch of the same shapes; the dense twin's graph
-    gives the eager dense outputs."""
+def test_graph_replay_equals_the_masked_dense_network_on_the_gpu(dtype):
+    """On CUDA: the captured network on block lists (the Triton kernels, a graph per shape, plan and buckets) gives
+    the masked dense network's outputs, at its capture and at a replay on another batch of the same shapes; the
+    dense network's graph gives the eager dense outputs."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     model = _model(8, 16).cuda().to(dtype)
+    twin = _dense_twin(model)
     tol = dict(rtol=1e-3, atol=1e-3) if dtype == torch.float32 else dict(rtol=5e-2, atol=5e-2)
     for seed in (0, 1):
         batch = _batch(2, seed=seed).to(torch.device("cuda"))
         batch.mask = _mask("patch").cuda()
         with torch.no_grad():
             bev = model.voxelize(batch).to(dtype)
-            model.inference_path = "exact"
-            exact = model(batch, bev=bev)
-            model.inference_path = "capacity"
+            exact = twin(batch, bev=bev)
             cap = model(batch, bev=bev)
             batch.mask = None
             model.use_data_mask = False
             dense_graph = model(batch, bev=bev)
-            model.inference_path = "exact"
-            dense = model(batch, bev=bev)
+            dense = model(batch, bev=bev)  # its replay
+            with torch.autograd.set_grad_enabled(True):  # eager (under autograd nothing is captured)
+                dense_eager = model(batch, bev=bev)
             model.use_data_mask = True
         torch.testing.assert_close(cap.heatmap.float(), exact.heatmap.float(), **tol)
         torch.testing.assert_close(cap.regression.float(), exact.regression.float(), **tol)
-        torch.testing.assert_close(dense_graph.heatmap.float(), dense.heatmap.float(), **tol)
+        torch.testing.assert_close(dense_graph.heatmap.float(), dense_eager.heatmap.float(), **tol)
+        torch.testing.assert_close(dense.heatmap.float(), dense_eager.heatmap.float(), **tol)
     assert len(model.graphs) >= 2  # the sparse graph(s) and the dense one
 
 

@@ -1,5 +1,6 @@
 """The mask defines the detector's function: the same weights and mask give the same outputs whatever executes them -
-every tile size, dense stages, ``auto``'s plan, the exact and the capacity path, and the batch a frame comes in - in
+every tile size, dense stages, ``auto``'s plan, lists of the active blocks or a GPU's padded ones, and the batch a
+frame comes in - in
 inference and in a training step (loss, gradients, running statistics). The tiles only decide the time.
 
 Float64 so that the only differences are summation order (1e-9); the float32 case is checked at 1e-4."""
@@ -11,17 +12,18 @@ import copy
 import pytest
 import torch
 
+from tests.conftest import gpu_lists
 from tests.models.test_capacity_path import _mask, _model
 from tests.models.test_detector import _batch
 
 # every way to execute the sparse network: a tile per stage (backbone, then neck and head), dense, or the plan
 SETTINGS = [(8, 8), (16, 16), (32, 32), (8, 32), ("dense", "dense"), (16, "dense"), ("auto", "auto")]
-PATHS = ["exact", "capacity"]
+PATHS = ["counts", "buckets"]  # a CPU's block lists (exactly the active blocks), a GPU's (a bucket's rows)
 
 
 def _run(block, head_block, path, batch, dtype=torch.float64):
-    model = _model(block, head_block, path).to(dtype)
-    with torch.no_grad():
+    model = _model(block, head_block).to(dtype)
+    with torch.no_grad(), gpu_lists(path == "buckets"):
         bev = model.voxelize(batch).to(dtype)
         out = model(batch, bev=bev)
     return out.heatmap, out.regression
@@ -31,7 +33,7 @@ def _run(block, head_block, path, batch, dtype=torch.float64):
 def test_every_execution_gives_the_same_outputs(kind):
     batch = _batch()
     batch.mask = _mask(kind)
-    want = _run(8, 8, "exact", batch)
+    want = _run(8, 8, "counts", batch)
     for block, head_block in SETTINGS:
         for path in PATHS:
             got = _run(block, head_block, path, batch)
@@ -71,12 +73,12 @@ def test_a_training_step_is_the_same_whatever_the_tiles(path):
     batch.mask = _mask("patch")
     results = []
     for block, head_block in [(8, 8), (32, 16), ("dense", "dense"), (16, "dense")]:
-        model = _model(block, head_block, path).double().train()
-        model.train_path = path
+        model = _model(block, head_block).double().train()
         bev = model.voxelize(batch).double()
-        out = model(batch, bev=bev)
-        loss, _ = model.loss(out, batch)
-        loss.backward()
+        with gpu_lists(path == "buckets"):
+            out = model(batch, bev=bev)
+            loss, _ = model.loss(out, batch)
+            loss.backward()
         results.append((block, head_block, loss.detach(), copy.deepcopy({n: p.grad for n, p in
                                                                           model.named_parameters()}),
                         copy.deepcopy(dict(model.named_buffers()))))

@@ -118,7 +118,8 @@ def test_auto_block_size_follows_the_plan_and_leaves_no_trace(unit_s, sparse):
     net.eval()(x, mask)
     choices = planner.last.choices
     assert len(choices) == 3
-    assert all(c in (4, 8) for c in choices) if sparse else all(c == DENSE for c in choices)
+    # stage2's map is 6 x 5: one block with its halo (8 x 8 at tile 4) is larger than the whole map, dense is cheaper
+    assert all(c in (4, 8) for c in choices[:2]) and choices[2] == DENSE if sparse else all(c == DENSE for c in choices)
     fs = net.train()(x, torch.ones(N, 1, H, W))
     for a, b in zip(fs, twin(x), strict=True):  # any choice equals dense on an all-ones mask
         torch.testing.assert_close(a, b, atol=ATOL, rtol=0)

@@ -1,5 +1,6 @@
-"""The sparse backbone on block lists of a bounded capacity (detector.nn.capacity): the exact path's values, no
-data-dependent host call inside a stage, one graph under torch.compile(fullgraph=True), overflow rerun."""
+"""The sparse backbone on block lists (detector.nn.capacity): the masked dense network's values (every stage on whole
+maps, each unit's mask applied), no data-dependent host call inside a stage on a GPU's lists, one graph under
+torch.compile(fullgraph=True), overflow rerun."""
 
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ def _net(preact=False, bottleneck=True, seed=0):
     return net.eval()
 
 
+def _masked_dense(net, x, mask):
+    """The reference: every stage dense (whole maps, each unit's mask applied to its output), no block list."""
+    return net(x, mask, modes=["dense"] * len(net.stages))
+
+
 def _inputs(p=0.985, seed=0, n=2, h=37, w=29):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, 4, h, w, generator=g), (torch.rand(n, 1, h, w, generator=g) > p).float()
@@ -35,11 +41,11 @@ def _inputs(p=0.985, seed=0, n=2, h=37, w=29):
 
 @pytest.mark.parametrize("preact,bottleneck", [(False, True), (True, True), (False, False)])
 @pytest.mark.parametrize("p", [0.985, 1.0, 0.0])  # some blocks, none (K = 0), all
-def test_equals_exact_path(preact, bottleneck, p):
+def test_equals_the_masked_dense_network(preact, bottleneck, p):
     net = _net(preact, bottleneck)
     x, mask = _inputs(p)
     with torch.no_grad():
-        want = net(x, mask)
+        want = _masked_dense(net, x, mask)
         modes, caps = cp.plan_capacities(net, x, mask)
         feats, overflow, _ = cp.forward_capacity(net, x, mask, modes, caps)
     assert not bool(overflow)
@@ -47,12 +53,12 @@ def test_equals_exact_path(preact, bottleneck, p):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_padded_capacity_equals_exact():
+def test_padded_capacity_equals_the_masked_dense_network():
     """Every bucket above the count (more padding rows) gives the same output."""
     net = _net()
     x, mask = _inputs()
     with torch.no_grad():
-        want = net(x, mask)
+        want = _masked_dense(net, x, mask)
         modes, caps = cp.plan_capacities(net, x, mask)
         big = [(c[0] * 2, c[1] * 2 + 8) for c in caps]
         feats, overflow, _ = cp.forward_capacity(net, x, mask, modes, big)
@@ -78,7 +84,7 @@ def test_lists_hold_the_counts_off_cuda_and_buckets_on_it():
     assert sparse and any(int(c[0]) not in capacity_buckets(10**6) for _, c in sparse)  # the case can fail
     for cap, cnt in sparse:
         assert cap[0] == max(int(cnt[0]), 1) and (len(cnt) == 1 or cap[1] == max(int(cnt[1]), 1))
-    inputs = settle(net.plan_inputs(tuple(x.shape), mask, list(modes), path="capacity"))
+    inputs = settle(net.plan_inputs(tuple(x.shape), mask, list(modes)))
     for inp, mode, cnt in zip(inputs, modes, counts, strict=True):
         if mode == "dense":
             continue
@@ -98,17 +104,14 @@ class _Calls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_no_host_call_inside_the_stages():
+def test_no_host_call_inside_the_stages(cuda_lists):
     net = _net()
     x, mask = _inputs()
     with torch.no_grad():
         modes, caps = cp.plan_capacities(net, x, mask)  # the batch's one read
         with _Calls() as calls:
             cp.forward_capacity(net, x, mask, modes, caps)
-        with _Calls() as exact:  # the check sees the exact path's syncs
-            net(x, mask, modes=modes)
     assert calls.seen and not [f for f in calls.seen if f.startswith(SYNCS)]
-    assert [f for f in exact.seen if f.startswith(SYNCS)]
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
@@ -130,7 +133,7 @@ def test_overflow_reruns_and_loses_no_block(caplog):
     net = _net()
     x, mask = _inputs(p=0.97)
     with torch.no_grad():
-        want = net(x, mask)
+        want = _masked_dense(net, x, mask)
         modes, caps = cp.plan_capacities(net, x, mask)
         assert all(c[0] > 2 for c in caps)
         small = [(2, 2) for _ in caps]  # fewer rows than active blocks at every stage
@@ -144,7 +147,7 @@ def test_overflow_reruns_and_loses_no_block(caplog):
 
 
 def _train_pair(preact=False, bottleneck=True, dtype=torch.float64):
-    """Two copies of a network in training mode: one for the exact path, one for the capacity path."""
+    """Two copies of a network in training mode: one for the masked dense reference, one for the lists."""
     import copy
 
     a = _net(preact, bottleneck).to(dtype).train()
@@ -157,7 +160,7 @@ def _step(forward, x, seed=1):
     feats = forward(x)
     g = torch.Generator().manual_seed(seed)
     loss = sum((f * torch.randn(f.shape, generator=g, dtype=f.dtype)).sum() for f in feats)
-    if loss.requires_grad:  # no active block anywhere: the exact path's features do not depend on x
+    if loss.requires_grad:  # no active block anywhere: the features do not depend on x
         loss.backward()
     return [f.detach() for f in feats], torch.zeros_like(x) if x.grad is None else x.grad
 
@@ -167,7 +170,7 @@ def _assert_same_training(exact, cap, got, want):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(got[1], want[1], rtol=1e-9, atol=1e-9)
     for (name, pa), pb in zip(cap.named_parameters(), exact.parameters(), strict=True):
-        ga = torch.zeros_like(pa) if pa.grad is None else pa.grad  # no active block: None on the exact path
+        ga = torch.zeros_like(pa) if pa.grad is None else pa.grad  # no active block: None on the lists
         gb = torch.zeros_like(pb) if pb.grad is None else pb.grad
         torch.testing.assert_close(ga, gb, rtol=1e-9, atol=1e-9, msg=name)
     for (name, ba), bb in zip(cap.named_buffers(), exact.buffers(), strict=True):
@@ -177,13 +180,13 @@ def _assert_same_training(exact, cap, got, want):
 @pytest.mark.parametrize("rows", ["counts", "padded"])  # the CPU's lists (every row active), a GPU's (padding rows)
 @pytest.mark.parametrize("preact,bottleneck", [(False, True), (True, True), (False, False), (True, False)])
 @pytest.mark.parametrize("p", [0.985, 1.0, 0.0])  # some blocks, none (K = 0), all
-def test_training_equals_exact_path(preact, bottleneck, p, rows):
+def test_training_equals_the_masked_dense_network(preact, bottleneck, p, rows):
     """Training mode (batch statistics of the active tiles): the features, every gradient and the running
-    statistics equal the exact path's, on lists of the counts and on lists padded past them."""
+    statistics equal the masked dense network's, on lists of the counts and on lists padded past them."""
     exact, cap = _train_pair(preact, bottleneck)
     x, mask = _inputs(p)
     x = x.double()
-    want = _step(lambda a: exact(a, mask), x)
+    want = _step(lambda a: _masked_dense(exact, a, mask), x)
     modes, caps = cp.plan_capacities(cap, x, mask)
     if rows == "padded":
         caps = [None if c is None else (c[0] + 5, c[1] + 3) for c in caps]
@@ -208,7 +211,7 @@ def test_training_compiles_fullgraph(cuda_lists):
     exact, net = _train_pair(dtype=torch.float32)
     x, mask = _inputs()
     modes, caps = cp.plan_capacities(net, x, mask)
-    want = _step(lambda a: exact(a, mask), x)
+    want = _step(lambda a: _masked_dense(exact, a, mask), x)
     torch._dynamo.reset()
     f = torch.compile(lambda a, m: cp.forward_capacity(net, a, m, modes, caps)[0], fullgraph=True,
                       backend="aot_eager")
@@ -234,8 +237,8 @@ def test_list_batch_norm_counts_only_the_weighted_pixels():
 
 
 def test_empty_list_leaves_running_statistics():
-    """No active block in training: the running statistics and their batch counter stay as they were (as the
-    exact path's, which skips the update)."""
+    """No active block in training: the running statistics and their batch counter stay as they were (no pixel, no
+    statistics)."""
     _, net = _train_pair(dtype=torch.float32)
     x, mask = _inputs(p=1.0)
     before = {k: v.clone() for k, v in net.named_buffers() if "stages.1" in k or "stages.2" in k}
@@ -248,13 +251,13 @@ def test_empty_list_leaves_running_statistics():
 
 @pytest.mark.parametrize("preact", [False, True])
 def test_triton_kernels_in_the_backbone(preact, monkeypatch):
-    """The whole backbone with the fused Triton kernels (interpreted on the CPU): the exact path's values."""
+    """The whole backbone with the fused Triton kernels (interpreted on the CPU): the masked dense network's values."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     net = _net(preact)
     x, mask = _inputs(n=1, h=21, w=19)
     with torch.no_grad():
-        want = net(x, mask)
+        want = _masked_dense(net, x, mask)
         modes, caps = cp.plan_capacities(net, x, mask)
         monkeypatch.setenv("DETECTOR_FUSED", "triton")
         feats, overflow, _ = cp.forward_capacity(net, x, mask, modes, caps)
@@ -267,13 +270,13 @@ def test_triton_kernels_in_the_backbone(preact, monkeypatch):
 @pytest.mark.parametrize("preact", [False, True])  # (tests/ops/test_fused.py), training on the composition (above)
 def test_triton_kernels_in_training(preact, monkeypatch):
     """A training step with the fused Triton kernels (interpreted on the CPU; their backward by the composition):
-    the exact path's features, gradients and running statistics."""
+    the masked dense network's features, gradients and running statistics."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     exact, cap = _train_pair(preact)
     x, mask = _inputs(n=1, h=21, w=19, p=0.95)
     x = x.double()
-    want = _step(lambda a: exact(a, mask), x)
+    want = _step(lambda a: _masked_dense(exact, a, mask), x)
     modes, caps = cp.plan_capacities(cap, x, mask)
     padded = [None if c is None else (c[0] + 2, c[1] + 2) for c in caps]
     monkeypatch.setenv("DETECTOR_FUSED", "triton")

@@ -1,12 +1,11 @@
-"""The sbnet ops on channels-last maps, the fused relu scatter, the in-place scatter under autograd and the
-residual pair (detector.ops.ResidualBlocks): values against the reference, gradients by gradcheck in
-float64, determinism, and the raw ops' layout errors."""
+"""The sbnet ops on channels-last maps, the fused relu scatter and the in-place scatter under autograd: values
+against the reference, gradients by gradcheck in float64, and the raw ops' layout errors."""
 
 import pytest
 import torch
 
 import detector.ops as ops
-from detector.ops import ResidualBlocks, _library, calc_block_params, reference
+from detector.ops import _library, calc_block_params, reference
 from tests.ops import cases
 
 CL = torch.channels_last
@@ -95,38 +94,6 @@ def test_gradcheck_channels_last_and_inplace(fmt, relu):
             assert torch.autograd.gradgradcheck(fn, (tiles, base), fast_mode=True)
 
 
-def _unit(x, idx, bp, w, inplace, relu):
-    """A stand-in identity unit: gather, a VALID conv on the blocks, residual scatter (fused pair)."""
-    pair = ResidualBlocks(x, idx, bp, inplace=inplace)
-    return pair.scatter(torch.nn.functional.conv2d(pair.gather(), w), relu=relu)
-
-
-def _unit_reference(x, idx, bp, w, relu):
-    tiles = torch.nn.functional.conv2d(reference.sparse_gather(x, idx, bp), w)
-    return reference.sparse_scatter(tiles, idx, x, bp, add=True, relu=relu)
-
-
-@pytest.mark.parametrize("fmt", cases.FORMATS)
-@pytest.mark.parametrize("inplace", [False, True])
-@pytest.mark.parametrize("relu", [False, True])
-def test_residual_pair_values_and_gradients(fmt, inplace, relu):
-    bp = calc_block_params(11, 10, bsize=6, ksize=3, stride=1, padding=1)
-    idx = cases.indices(bp, 2, 0.6, 8)
-    w = _rand((3, 3, 3, 3), torch.float64, 9).requires_grad_()
-    x0 = _rand((2, 3, 11, 10), torch.float64, 10, fmt).requires_grad_()
-    expected = _unit_reference(x0, idx, bp, w, relu)
-    x = x0 * 1.0  # an intermediate the unit owns
-    out = _unit(x, idx, bp, w, inplace, relu)
-    assert (out is x) == inplace and out.is_contiguous(memory_format=fmt)
-    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
-    g = _rand(tuple(out.shape), torch.float64, 11)
-    got = torch.autograd.grad(out, (x0, w), g)
-    ref = torch.autograd.grad(expected, (x0, w), g)
-    for a, b in zip(got, ref, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    assert torch.autograd.gradcheck(lambda t, ww: _unit(t * 1.0, idx, bp, ww, inplace, relu), (x0, w))
-
-
 def test_inplace_scatter_is_caught_when_its_base_was_saved():
     """Autograd's version counter: writing into a map someone saved for backward fails loudly."""
     bp = calc_block_params(8, 8, bsize=6, ksize=3)
@@ -137,23 +104,6 @@ def test_inplace_scatter_is_caught_when_its_base_was_saved():
     ops.sparse_scatter_(torch.randn(1, 2, 4, 4), idx, y, bp)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         z.sum().backward()
-
-
-@pytest.mark.parametrize("fmt", cases.FORMATS)
-def test_residual_pair_deterministic_across_threads(fmt, deterministic):
-    bp = calc_block_params(40, 36, bsize=10, ksize=5, stride=1, padding=2)
-    idx = cases.indices(bp, 2, 0.7, 12)
-    w = _rand((16, 16, 5, 5), torch.float32, 13)
-    x0 = _rand((2, 16, 40, 36), torch.float32, 14, fmt)
-    g = _rand((2, 16, 40, 36), torch.float32, 15)
-
-    def run():
-        x = x0.clone().requires_grad_()
-        out = _unit(x * 1.0, idx, bp, w, True, True)
-        (out * g).sum().backward()
-        return out.detach(), x.grad
-
-    deterministic(run)  # the current thread count twice, 1, at least 2
 
 
 def test_raw_ops_reject_other_stride_patterns():
@@ -172,9 +122,9 @@ def test_raw_ops_reject_other_stride_patterns():
 
 @pytest.mark.parametrize("dtype", cases.LOW_PRECISION, ids=str)
 @pytest.mark.parametrize("inplace", [False, True])
-def test_low_precision_backward_of_relu_scatter_and_residual_pair(dtype, inplace):
-    """fp16/bf16 gradients of the relu scatter (copy and in place) and of the residual pair against the
-    reference ops in the same dtype (the same rounding, so the same relu mask)."""
+def test_low_precision_backward_of_relu_scatter(dtype, inplace):
+    """fp16/bf16 gradients of the relu scatter (copy and in place) against the reference op in the same dtype (the
+    same rounding, so the same relu mask)."""
     bp = calc_block_params(20, 18, bsize=8, ksize=3, stride=1, padding=1)
     idx = cases.indices(bp, 2, 0.7, 16)
     tiles = _rand((idx.shape[0], 4, bp.obsize_h, bp.obsize_w), dtype, 17, CL)
@@ -187,10 +137,3 @@ def test_low_precision_backward_of_relu_scatter_and_residual_pair(dtype, inplace
         grads.append((t.grad, b.grad))
     for a, b in zip(*grads, strict=True):  # each element is g or 0: exact
         assert a.dtype == dtype and torch.equal(a, b)
-    w = _rand((4, 4, 3, 3), dtype, 20)
-    x_ref, x = base.clone().requires_grad_(), base.clone().requires_grad_()
-    _unit_reference(x_ref * 1.0, idx, bp, w, True).backward(g)
-    _unit(x * 1.0, idx, bp, w, inplace, True).backward(g)
-    tol = 1e-2 if dtype == torch.float16 else 5e-2  # halo overlaps may add in another order
-    assert x.grad.dtype == dtype
-    torch.testing.assert_close(x.grad.double(), x_ref.grad.double(), rtol=tol, atol=tol)

@@ -105,9 +105,6 @@ def _record(name: str, overrides: list[str], full: bool) -> Iterator[tuple[tuple
     with open_dict(cfg):
         cfg.bev.x_range = [0.0, GRID_CELLS * res]
         cfg.bev.y_range = [-GRID_CELLS * res / 2, GRID_CELLS * res / 2]
-        for key in ("inference_path", "train_path"):  # the capacity path on the CPU too
-            if key in cfg.model:
-                cfg.model[key] = "capacity"
         if not full:
             cfg.model.backbone.stage_units = [min(int(u), 2) for u in cfg.model.backbone.stage_units]
     grid = build_grid(cfg.bev)
