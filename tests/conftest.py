@@ -83,12 +83,13 @@ def gpu_lists(on: bool = True):
     """The block lists a GPU runs - a bucket's rows, padding rows past the count, the count never read inside the
     network - on the CPU, which stands in for the device (off CUDA the lists hold exactly the active blocks)."""
     from detector.nn import capacity, chain, plan
+    from detector.ops import fused
 
     if not on:
         yield
         return
     with contextlib.ExitStack() as stack:
-        for module in (capacity, chain, plan):
+        for module in (capacity, chain, plan, fused):
             stack.enter_context(mock.patch.object(module, "uses_buckets", lambda device: True))
         yield
 

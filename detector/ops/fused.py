@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from . import triton_blocks
-from .capacity import BlockList, gather_tiles, gather_windows, level_valid, scatter_padded
+from .capacity import BlockList, gather_tiles, gather_windows, level_valid, scatter_padded, uses_buckets
 from .formulas import memory_format_of
 from .functional import _kernels_for
 
@@ -183,9 +183,12 @@ def _conv_blocks_torch(src, blist, weight, bias, stride, origin, extent, pre, re
         a = src
     y = F.conv2d(a, weight.to(a.dtype), None if bias is None else bias.to(a.dtype), stride)
     if relu:
-        y = torch.relu(y)
+        y = torch.relu_(y)  # a fresh convolution output: its backward does not read it
     if zero is not None:
-        y = y * level_valid(idx, zero[0], zero[1], (int(y.shape[2]), int(y.shape[3])), zero[2]).to(y.dtype)
+        inside = level_valid(idx, zero[0], zero[1], (int(y.shape[2]), int(y.shape[3])), zero[2])
+        # where lists hold their counts (off CUDA) the read is free: most have no pixel past the map, skip the pass
+        if uses_buckets(idx.device) or torch.compiler.is_compiling() or not bool(inside.all()):
+            y = y * inside.to(y.dtype)
     return y
 
 
