@@ -18,9 +18,9 @@ times out is named in the summary and the later steps still run while budget is 
 4. ``pytest``  ``pytest -m gpu tests`` (junit XML to out/pytest_gpu.xml);
 5. ``gpu_units`` ``detector/bench/gpu_units.py``: the sync-free path of issue 42 (capacity buckets, fused Triton
    kernels, CUDA graphs) against dense eager and dense captured, float32 and bfloat16: the stage-1 bottleneck unit at
-   50 % / 90 % sparsity, batch 1 and 8 (forward; forward + backward by the exact path), the bev=kitti backbone per
-   batch, a training step at batch 8, kernels and host syncs per forward; merged into sparse_gpu.*, model_gpu.* and
-   profile_gpu.md (the files that come back stay at 8);
+   50 % / 90 % sparsity, batch 1 and 8 (forward; forward + backward on lists of the count and of a bucket), the
+   bev=kitti backbone per batch, a training step at batch 8, kernels and host syncs per forward; merged into
+   sparse_gpu.*, model_gpu.* and profile_gpu.md (the files that come back stay at 8);
 6. ``bench_sparse`` with ``device=cuda dtype=float32|bfloat16`` at 50 % and 90 % sparsity, every forward call's
    output checked; its peers beside the conv3x3 rows: the cuDNN dense twin, our unit and spconv's SubMConv2d on the
    same active pixels where spconv imports (its CUDA wheel and its dependencies in ``wheels=DIR``), else the spconv
