@@ -130,8 +130,9 @@ def _chain_bytes(c: _Chain, N: int, f: int, train: bool) -> tuple[int, int, int]
     identity = ch.shortcut == "identity"
     new_map = 0 if identity else out_map  # identity units write into their input (the stage's own map)
     # training saves the gathered input, per conv-BN-ReLU the conv output (BN keeps it) and the ReLU output (the
-    # next conv keeps it), a residual unit's output tiles and a post-activation projection's gathered input; not the output map: the scatter's backward needs
-    # none, and the maps still alive at the end of the forward are the ones a later layer reads (estimate: kept)
+    # next conv keeps it), a residual unit's output tiles and a post-activation projection's gathered input; not
+    # the output map: the scatter's backward needs none, and the maps still alive at the end of the forward are the
+    # ones a later layer reads (estimate: kept)
     saved = blocks[0] + 2 * sum(blocks[1:]) + (tiles if identity or ch.proj is not None else 0)
     if ch.proj is not None and not ch.preact:  # the projection's own gather: its tile's input pixels at stride S
         S = ch.stride

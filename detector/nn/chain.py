@@ -66,7 +66,7 @@ from detector.ops.capacity import (
     scatter_padded,
     uses_buckets,
 )
-from detector.ops.formulas import keep_where
+from detector.ops.formulas import keep_where, memory_format_of
 from detector.ops.fused import conv_blocks, conv_scatter
 
 from .geometry import (
@@ -487,7 +487,7 @@ def chain_capacity(chain: SparseConvChain, x: torch.Tensor, blist: BlockList, ma
     if chain.shortcut == "projection":
         residual = _projection(chain, norm, x, a0, blist, geo, pre)
     if chain.shortcut == "identity":
-        base = x if inplace and not grad else x.clone(memory_format=_format(x))
+        base = x if inplace and not grad else x.clone(memory_format=memory_format_of(x) or torch.contiguous_format)
     else:
         base = zeros_in_layout(x, (N, chain.out_channels, Ho, Wo))
     add = "map" if chain.shortcut == "identity" else residual
@@ -517,11 +517,6 @@ def _projection(chain: SparseConvChain, norm: _ListNorm, x: torch.Tensor, a0: to
         r = conv_blocks(x, blist, pw, pb, stride=S, origin=((T[0] * S, T[1] * S), (0, 0)),
                         extent=((T[0] - 1) * S + 1, (T[1] - 1) * S + 1), pre=pre)
     return norm(js, r) if norm.batch(js) else r
-
-
-def _format(x: torch.Tensor) -> torch.memory_format:
-    nhwc = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
-    return torch.channels_last if nhwc else torch.contiguous_format
 
 
 

@@ -107,10 +107,6 @@ class SparseStage(nn.Module):
         super().__init__()
         self.units = nn.ModuleList(units)
 
-    def set_block_size(self, block_size: int) -> None:
-        for u in self.units:
-            u.block_size = block_size
-
     def forward(
         self, x: torch.Tensor, mask: torch.Tensor | None, dense: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
