@@ -42,7 +42,9 @@ on the CPU their composition of the compiled gather/scatter kernels and oneDNN's
 Layout: the ops read and write NCHW and channels-last maps natively and the blocks take the map's
 layout (channels-last is what oneDNN and cuDNN convolve fastest; :class:`~detector.nn.resnet.SparseResNet`
 makes its input channels-last). With ``inplace=True`` - for an ``x`` the caller owns, e.g. the stage's own
-intermediates - an identity unit writes its tiles into ``x`` itself outside autograd.
+intermediates - an identity unit writes its tiles into ``x`` itself. Under autograd every write is recorded in
+place and what the backward keeps is block-sized: the gathered blocks, the batch norms' inputs, the written tiles
+(never a map: the gather's and the scatter's gradients need the indices only).
 """
 
 from __future__ import annotations
@@ -311,7 +313,7 @@ class SparseConvChain(nn.Module):
         dense network. Executed sparse on ``blocks`` (made from the mask by :meth:`active_blocks`, at the chain's
         block size, when not given), or on the whole map with ``dense=True`` - the same values.
 
-        ``inplace``: an identity unit writes its tiles into ``x`` itself (outside autograd; the caller owns ``x``).
+        ``inplace``: an identity unit writes its tiles into ``x`` itself (the caller owns ``x`` and reads it no more).
         """
         x = self._check_x(x)
         if mask is None:
@@ -441,7 +443,7 @@ def chain_capacity(chain: SparseConvChain, x: torch.Tensor, blist: BlockList, ma
                    inplace: bool = False, tile: int | None = None) -> torch.Tensor:
     """The chain on ``blist`` (module docstring; made by :func:`chain_list` from ``mask``, the unit's binary mask at
     its input resolution) with output tiles of ``tile`` (None: the chain's block size); ``inplace``: an identity
-    unit writes into ``x`` itself (not under autograd).
+    unit writes into ``x`` itself (recorded under autograd: the caller owns ``x`` and reads it no more).
 
     Running statistics: each conv, its BN folded in, is one fused op. Training-mode batch norm: the convolution
     unfused, the BN on its blocks with the list's batch moments (:class:`_ListNorm`), then ReLU and the level's
@@ -454,7 +456,6 @@ def chain_capacity(chain: SparseConvChain, x: torch.Tensor, blist: BlockList, ma
     lv, specs, L = geo.levels, chain.specs, len(chain.convs)
     T = geo.tile
     origin0 = (lv[0].region, lv[0].offset)
-    grad = torch.is_grad_enabled()
     src, origin, pre, a0 = x, origin0, None, None  # the first conv's source: the map (gather fused) or blocks
     if chain.preact and norm.batch(0):
         a0 = norm.relu_zero(norm(0, sparse_gather(x, blist.indices, geo.block)), lv[0])
@@ -486,8 +487,10 @@ def chain_capacity(chain: SparseConvChain, x: torch.Tensor, blist: BlockList, ma
     residual = None
     if chain.shortcut == "projection":
         residual = _projection(chain, norm, x, a0, blist, geo, pre)
+    # the output map: x itself (an identity unit, in place), a copy of x, or fresh zeros; the tiles are written into
+    # it in place (recorded under autograd: nothing a backward reads is map-sized)
     if chain.shortcut == "identity":
-        base = x if inplace and not grad else x.clone(memory_format=memory_format_of(x) or torch.contiguous_format)
+        base = x if inplace else x.clone(memory_format=memory_format_of(x) or torch.contiguous_format)
     else:
         base = zeros_in_layout(x, (N, chain.out_channels, Ho, Wo))
     add = "map" if chain.shortcut == "identity" else residual
@@ -497,7 +500,7 @@ def chain_capacity(chain: SparseConvChain, x: torch.Tensor, blist: BlockList, ma
     t = norm(j, conv(L - 1, a, wb=(chain.convs[L - 1].weight, None)))  # post-activation: relu(bn(conv) + shortcut)
     if residual is not None:
         t = t + residual
-    return scatter_padded(t, blist, base, add=chain.shortcut == "identity", relu=True, inplace=False)
+    return scatter_padded(t, blist, base, add=chain.shortcut == "identity", relu=True, inplace=True)
 
 
 def _projection(chain: SparseConvChain, norm: _ListNorm, x: torch.Tensor, a0: torch.Tensor | None,

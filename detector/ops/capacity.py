@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from .blocks import BlockParams
-from .formulas import like_map, memory_format_of
+from .formulas import ScatterInPlace, like_map, memory_format_of
 from .functional import _kernels_for, block_activity
 
 __all__ = ["BlockList", "reduce_mask_capacity", "capacity_buckets", "bucket_for", "uses_buckets", "scatter_padded",
@@ -161,7 +161,9 @@ def scatter_padded(tiles: torch.Tensor, blist: BlockList, base: torch.Tensor, ad
                    inplace: bool) -> torch.Tensor:
     """``sparse_scatter`` of ``tiles [capacity, C, th, tw]`` at ``blist``'s rows into ``base`` (a copy, or ``base``
     itself with ``inplace``), padding rows and pixels outside the list's mask inert: the map keeps its values there.
-    The composition of the existing kernels (no sync), differentiable when not in place.
+    The composition of the existing kernels (no sync), differentiable either way: in place under autograd the write
+    is recorded on ``base`` (:class:`~detector.ops.formulas.ScatterInPlace`; its backward reads the tiles only, and a
+    tensor saved earlier that aliases ``base`` fails loudly at the backward instead of giving a wrong gradient).
 
         old = base at the tiles
         new = relu?((old + tiles) if add else tiles)
@@ -190,6 +192,8 @@ def scatter_padded(tiles: torch.Tensor, blist: BlockList, base: torch.Tensor, ad
     args = (new, idx, base, list(tile), [0, 0], add_flag, False)
     if inplace and torch.compiler.is_exporting():  # a program holds no in-place custom op (ONNX has none): copy back
         return base.copy_(torch.ops.sbnet.sparse_scatter(*args))
+    if inplace and torch.is_grad_enabled() and (new.requires_grad or base.requires_grad):
+        return ScatterInPlace.apply(new, idx, base, tile, add_flag, False)
     if inplace:
         torch.ops.sbnet.sparse_scatter_(*args)
         return base

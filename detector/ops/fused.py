@@ -230,13 +230,17 @@ class _FusedConv(torch.autograd.Function):
     :func:`~detector.ops.triton_blocks.block_conv_wgrad`): ``grad`` through the epilogue (ReLU: where the output
     is positive; the level's zeroing: where it kept the pixel), then the source window's gradient (for a map
     source scatter-added into the map at each row's window, halos adding up: the gather's own backward) and the
-    weight's; the bias's is the sum over the active rows. Padding rows get and give nothing."""
+    weight's; the bias's is the sum over the active rows. Padding rows get and give nothing. A map source is kept
+    for the backward as its gathered windows (block-sized, and the map stays free to be written in place)."""
 
     @staticmethod
     def forward(ctx, fast, geo, src, weight, bias):  # noqa: ANN001, ANN205
         out = fast(src, weight, bias, None, None)
+        blist, origin, extent = geo[0], geo[2], geo[3]
         ctx.geo = geo
-        ctx.save_for_backward(src, weight, out)
+        ctx.src = (tuple(src.shape), memory_format_of(src) or torch.contiguous_format)
+        kept = src if origin is None else gather_windows(src.detach(), blist.indices, extent, origin)
+        ctx.save_for_backward(kept, weight, out)
         return out
 
     @staticmethod
@@ -250,27 +254,24 @@ class _FusedConv(torch.autograd.Function):
         if zero is not None and not relu:
             g = g * level_valid(blist.indices, zero[0], zero[1], tuple(g.shape[2:]), zero[2]).to(g.dtype)
         g = g.contiguous(memory_format=memory_format_of(out) or torch.contiguous_format)
-        dwin, dw, db = _conv_grads(g, src, weight, blist, stride, origin, extent, need_src, need_w, need_b)
-        dsrc = dwin if origin is None or dwin is None else _gather_grad(dwin, blist.indices, src, origin)
+        dwin, dw, db = _conv_grads(g, src, weight, blist, stride, need_src, need_w, need_b)
+        dsrc = dwin if origin is None or dwin is None else _gather_grad(dwin, blist.indices, *ctx.src, origin)
         return None, None, dsrc, dw, db
 
 
 def _conv_grads(g: torch.Tensor, src: torch.Tensor, weight: torch.Tensor, blist: BlockList, stride: int,
-                origin: Origin | None, extent: tuple[int, int] | None, need_src: bool, need_w: bool, need_b: bool
+                need_src: bool, need_w: bool, need_b: bool
                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """From ``g``, the gradient of the kernel's convolution output (padding rows zero): the source windows' (the
-    dgrad kernel; ``[capacity, CI, e_h, e_w]``, the map's windows when ``origin`` is given), the weight's (the wgrad
-    kernel) and the bias's gradient, each only where needed."""
+    """From ``g``, the gradient of the kernel's convolution output (padding rows zero): the source blocks' (the
+    dgrad kernel; ``[capacity, CI, e_h, e_w]``, like ``src``), the weight's (the wgrad kernel) and the bias's
+    gradient, each only where needed."""
     dwin = dw = db = None
     if need_w:
-        dw = triton_blocks.block_conv_wgrad(src, blist.indices, blist.count, g, tuple(weight.shape[2:]),
-                                            stride=stride, in_map=origin is not None,
-                                            origin=origin or ((0, 0), (0, 0))).to(weight.dtype)
+        dw = triton_blocks.block_conv_wgrad(src, blist.count, g, tuple(weight.shape[2:]), stride=stride).to(weight.dtype)
     if need_b:
         db = g.sum((0, 2, 3), dtype=torch.promote_types(g.dtype, torch.float32))
     if need_src:
-        win = extent if origin is not None else tuple(src.shape[2:])
-        dwin = torch.empty((blist.capacity, int(src.shape[1]), *win), dtype=src.dtype, device=src.device,
+        dwin = torch.empty(tuple(src.shape), dtype=src.dtype, device=src.device,
                            memory_format=memory_format_of(src) or torch.contiguous_format)
         dwin = triton_blocks.block_conv_dgrad(g, blist.count, weight, dwin, stride=stride)
     return dwin, dw, db
@@ -281,28 +282,34 @@ class _FusedScatter(torch.autograd.Function):
     (:func:`~detector.ops.capacity.gather_tiles`; zero past the map), through the ReLU where the written output is
     positive, gives the convolution's output gradient ``g``; then the blocks' (the dgrad kernel), the weight's (the
     wgrad kernel), the bias's and a residual tensor's (``g``); the base map's is the map's gradient with the active
-    tiles replaced by ``g`` (``residual="map"``: the tile added the base's value) or by zeros (overwritten)."""
+    tiles replaced by ``g`` (``residual="map"``: the tile added the base's value) or by zeros (overwritten). Kept
+    for the backward: the blocks and, for the ReLU, the output's tiles (block-sized); written in place, the base
+    is marked dirty (its history continues through this node)."""
 
     @staticmethod
     def forward(ctx, fast, geo, blocks, weight, bias, base, res):  # noqa: ANN001, ANN205
         out = fast(blocks, weight, bias, base, res)
+        blist, tile, relu, _ = geo
+        if out is base:
+            ctx.mark_dirty(base)
         ctx.geo = geo
-        ctx.save_for_backward(blocks, weight, out)
+        ctx.fmt = memory_format_of(out) or torch.contiguous_format
+        ctx.save_for_backward(blocks, weight, gather_tiles(out.detach(), blist.indices, tile) if relu else None)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):  # noqa: ANN001, ANN205
-        blocks, weight, out = ctx.saved_tensors
+        blocks, weight, out_tiles = ctx.saved_tensors
         blist, tile, relu, residual_map = ctx.geo
         need_blocks, need_w, need_b, need_base, need_res = ctx.needs_input_grad[2:]
-        fmt = memory_format_of(out) or torch.contiguous_format
+        fmt = ctx.fmt
         grad = grad.contiguous(memory_format=fmt)
         written = blist.keep(tile)
         g = gather_tiles(grad, blist.indices, tile)
-        keep = written & (gather_tiles(out, blist.indices, tile) > 0) if relu else written
+        keep = written & (out_tiles > 0) if relu else written
         g = torch.where(keep, g, 0).contiguous(memory_format=fmt)
-        dblocks, dw, db = _conv_grads(g, blocks, weight, blist, 1, None, None, need_blocks, need_w, need_b)
+        dblocks, dw, db = _conv_grads(g, blocks, weight, blist, 1, need_blocks, need_w, need_b)
         dbase = None
         if need_base:
             dbase = scatter_padded(g if residual_map else torch.zeros_like(g), blist, grad.clone(memory_format=fmt),
@@ -310,13 +317,15 @@ class _FusedScatter(torch.autograd.Function):
         return None, None, dblocks, dw, db, dbase, g if need_res else None
 
 
-def _gather_grad(dwin: torch.Tensor, indices: torch.Tensor, x: torch.Tensor, origin: Origin) -> torch.Tensor:
-    """The map's gradient from its windows' (``sparse_gather``'s backward: each window added at its place)."""
+def _gather_grad(dwin: torch.Tensor, indices: torch.Tensor, shape: tuple[int, ...], fmt: torch.memory_format,
+                 origin: Origin) -> torch.Tensor:
+    """The gradient of a map of ``shape`` (layout ``fmt``) from its windows' (``sparse_gather``'s backward: each
+    window added at its place)."""
     (mh, mw), (fh, fw) = origin
-    if _kernels_for(x.device):
-        return torch.ops.sbnet.sparse_gather_backward(dwin, indices, list(x.shape), [mh, mw], [-fh, -fw],
-                                                      memory_format_of(x) == torch.channels_last)
-    xs = torch.zeros_like(x).requires_grad_(True)
+    if _kernels_for(dwin.device):
+        return torch.ops.sbnet.sparse_gather_backward(dwin, indices, list(shape), [mh, mw], [-fh, -fw],
+                                                      fmt == torch.channels_last)
+    xs = torch.zeros(shape, dtype=dwin.dtype, device=dwin.device, memory_format=fmt).requires_grad_(True)
     with torch.enable_grad():
         blocks = gather_windows(xs, indices, tuple(dwin.shape[2:]), origin)
     return torch.autograd.grad(blocks, xs, dwin)[0]
@@ -373,8 +382,8 @@ def conv_scatter(blocks: torch.Tensor, blist: BlockList, weight: torch.Tensor, b
                  relu: bool = False, inplace: bool = True) -> torch.Tensor:
     """The last convolution of a unit on ``blocks``, its tiles combined into the map ``out`` (module docstring):
     ``residual="map"`` adds out's own values (the identity shortcut), a ``[capacity, CO, th, tw]`` tensor adds
-    that (the projection), None writes. ``inplace``: into ``out`` itself (a copy of it otherwise; always a copy
-    under autograd)."""
+    that (the projection), None writes. ``inplace``: into ``out`` itself (recorded as an in-place write under
+    autograd), else into a copy of it."""
     if residual is not None and not isinstance(residual, torch.Tensor) and not _is_map(residual):
         raise ValueError(f"conv_scatter: residual must be 'map', a tensor or None, got {residual!r}")
     tile = (int(tile[0]), int(tile[1]))
@@ -382,14 +391,13 @@ def conv_scatter(blocks: torch.Tensor, blist: BlockList, weight: torch.Tensor, b
     grad = _grad(blocks, weight, bias, out, res_t)
 
     def slow(bl, w, b, o, r):  # noqa: ANN001, ANN202
-        return _conv_scatter_torch(bl, blist, w, b, o, tile, r if r is not None else residual, relu,
-                                   inplace and not grad)
+        return _conv_scatter_torch(bl, blist, w, b, o, tile, r if r is not None else residual, relu, inplace)
 
     if fused_backend(blocks.device, blocks.dtype) != "triton":
         return slow(blocks, weight, bias, out, res_t)
 
     def fast(bl, w, b, o, r):  # noqa: ANN001, ANN202
-        dst = o if inplace and not grad else o.clone(memory_format=memory_format_of(o) or torch.contiguous_format)
+        dst = o if inplace else o.clone(memory_format=memory_format_of(o) or torch.contiguous_format)
         return triton_blocks.block_conv(bl, blist.indices, blist.count, w, b, dst, stride=1, in_map=False,
                                         relu=relu, tile=tile, residual=dst if _is_map(residual) else r,
                                         residual_map=_is_map(residual), mask=blist.mask)

@@ -319,10 +319,9 @@ def _grad_kernels():
                  acc.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
     def _wgrad(
-        src, s_n, s_c, s_h, s_w, idx, cnt, g, g_n, g_c, g_h, g_w, part,
-        CI, CO, SH, SW, OH, OW, PER,
-        in_mul_h, in_off_h, in_mul_w, in_off_w,
-        KH: tl.constexpr, KW: tl.constexpr, STRIDE: tl.constexpr, IN_MAP: tl.constexpr, UPCAST: tl.constexpr,
+        src, s_n, s_c, s_h, s_w, cnt, g, g_n, g_c, g_h, g_w, part,
+        CI, CO, OH, OW, PER,
+        KH: tl.constexpr, KW: tl.constexpr, STRIDE: tl.constexpr, UPCAST: tl.constexpr,
         F64: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BI: tl.constexpr,
         CI_TILES: tl.constexpr,
     ):
@@ -342,27 +341,16 @@ def _grad_kernels():
         zero64 = (split * 0).to(tl.int64)  # the row's offsets in 64 bits (the loop index is a plain int interpreted)
         for k in range(lo, hi):
             k64 = zero64 + k
-            if IN_MAP:
-                n = tl.load(idx + k * 3).to(tl.int64)
-                base = src + n * s_n
-                y0 = tl.load(idx + k * 3 + 1) * in_mul_h - in_off_h
-                x0 = tl.load(idx + k * 3 + 2) * in_mul_w - in_off_w
-            else:
-                base = src + k64 * s_n
-                y0 = 0
-                x0 = 0
+            base = src + k64 * s_n
             for m0 in range(0, OH * OW, BM):
                 rm = m0 + tl.arange(0, BM)
                 m_ok = rm < OH * OW
                 oy = rm // OW
                 ox = rm % OW
-                iy = y0 + oy * STRIDE + ky
-                ix = x0 + ox * STRIDE + kx
-                pix_ok = m_ok
-                if IN_MAP:
-                    pix_ok = pix_ok & (iy >= 0) & (iy < SH) & (ix >= 0) & (ix < SW)
+                iy = oy * STRIDE + ky
+                ix = ox * STRIDE + kx
                 a = tl.load(base + ri[:, None] * s_c + iy[None, :] * s_h + ix[None, :] * s_w,
-                            mask=i_ok[:, None] & pix_ok[None, :], other=0.0)
+                            mask=i_ok[:, None] & m_ok[None, :], other=0.0)
                 b = tl.load(g + k64 * g_n + rn[None, :] * g_c + oy[:, None] * g_h + ox[:, None] * g_w,
                             mask=m_ok[:, None] & n_ok[None, :], other=0.0)
                 if UPCAST:
@@ -405,13 +393,11 @@ def block_conv_dgrad(grad: torch.Tensor, count: torch.Tensor, weight: torch.Tens
     return out
 
 
-def block_conv_wgrad(src: torch.Tensor, indices: torch.Tensor, count: torch.Tensor, grad: torch.Tensor,
-                     kernel: tuple[int, int], *, stride: int, in_map: bool,
-                     origin: tuple[tuple[int, int], tuple[int, int]] = ((0, 0), (0, 0)), splits: int = 32
-                     ) -> torch.Tensor:
+def block_conv_wgrad(src: torch.Tensor, count: torch.Tensor, grad: torch.Tensor, kernel: tuple[int, int], *,
+                     stride: int, splits: int = 32) -> torch.Tensor:
     """The gradient of :func:`block_conv`'s weight, ``[CO, CI, KH, KW]`` in float32 (float64 for float64 data):
-    the sum over the list's active rows and output pixels of the source window times ``grad [capacity, CO, OH,
-    OW]``. The rows are cut into ``splits`` runs, each summed by its own programs into a partial; the partials are
+    the sum over the list's active rows and output pixels of the source blocks ``src [capacity, CI, e_h, e_w]``
+    (a map source's gathered windows) times ``grad [capacity, CO, OH, OW]``. The rows are cut into ``splits`` runs, each summed by its own programs into a partial; the partials are
     then added by one reduction: no atomics, so the result does not depend on scheduling (deterministic)."""
     cap, co, oh, ow = (int(v) for v in grad.shape)
     ci = int(src.shape[1])
@@ -424,12 +410,10 @@ def block_conv_wgrad(src: torch.Tensor, indices: torch.Tensor, count: torch.Tens
     if cap:
         bi, bn, bm = _pow2(ci, 16, 32), _pow2(co, 16, 64), _pow2(oh * ow, 16, 64)
         ci_tiles = -(-ci // bi)
-        (mh, mw), (fh, fw) = origin
         _launch(
             _grad_kernels()[1], (kh * kw * ci_tiles, -(-co // bn), splits),
-            src, *src.stride(), indices, count, grad, *grad.stride(), part,
-            ci, co, int(src.shape[2]), int(src.shape[3]), oh, ow, per, mh, fh, mw, fw,
-            KH=kh, KW=kw, STRIDE=stride, IN_MAP=in_map, UPCAST=upcast, F64=f64, PREC=prec, BM=bm, BN=bn, BI=bi,
+            src, *src.stride(), count, grad, *grad.stride(), part, ci, co, oh, ow, per,
+            KH=kh, KW=kw, STRIDE=stride, UPCAST=upcast, F64=f64, PREC=prec, BM=bm, BN=bn, BI=bi,
             CI_TILES=ci_tiles,
         )
     return part.sum(0).view(kh, kw, ci, co).permute(3, 2, 0, 1)
