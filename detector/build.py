@@ -30,9 +30,10 @@ def build_grid(bev_cfg: DictConfig) -> BevGrid:
         raise ConfigError(f"bev: {root_cause(e)}") from None
 
 
-# Keys of the model config that are not the detector's arguments: its parts take classes, block_size and plan by
-# interpolation (configs/model/sparse.yaml); decode_kwargs takes the decoding settings.
-_NOT_DETECTOR_ARGS = ("classes", "block_size", "plan", "score_threshold", "nms_iou", "max_detections")
+# Keys of the model config that are not the detector's arguments: its parts take classes, block_size, plan and
+# checkpoint_stages by interpolation (configs/model/sparse.yaml); decode_kwargs takes the decoding settings.
+_NOT_DETECTOR_ARGS = ("classes", "block_size", "plan", "checkpoint_stages", "score_threshold", "nms_iou",
+                      "max_detections")
 
 
 def build_model(model_cfg: DictConfig, mask_cfg: DictConfig | None, grid: BevGrid) -> BevDetector:

@@ -9,7 +9,9 @@ and an active-tile share per stage, the tensors that are alive at the peak:
   keeps, the ReLU output the next conv keeps), on the whole map (dense) or on the ``K`` gathered blocks with their
   halo (sparse: ``K = share * N * blocks per frame``; plus the gathered input blocks and the relu's output
   tiles); full maps a later layer keeps (stage outputs for the neck's laterals, the sparse output maps the head
-  reads); the peak is the end of the forward (the backward frees saved maps as it makes gradients);
+  reads); the peak is the end of the forward (the backward frees saved maps as it makes gradients) or, sparse,
+  a stage at work (its full-size input and output maps beside the blocks saved so far); a stage in
+  ``model.checkpoint_stages`` saves nothing but its input, and peaks again when its backward recomputes it;
 - inference: the input, the stage outputs the neck reads later and the largest chain's working set (its input
   and output maps, gathered blocks, two block tensors of its widest level; a dense conv's input reorder);
 - the mask network (``mask=predicted``) at its 1/d resolution: its logits, and in training its pooled input and
@@ -118,9 +120,9 @@ def _chain_bytes(c: _Chain, N: int, f: int, train: bool) -> tuple[int, int, int]
     out_map = maps[-1]
     if c.dense:  # live while it runs: its input and two maps of its widest level (the output among them); an
         # input whose channel count is not a multiple of 4 is copied by the CPU convolution (measured: 11 BEV
-        # channels at bev=small are, 36 at bev=kitti are not). The first chain's input is the backbone's
-        # channels-last copy of the BEV tensor, which its first conv keeps for backward.
-        saved = 2 * sum(maps[1:]) + (out_map if ch.proj is not None else 0) + (maps[0] if c.first else 0)
+        # channels at bev=small are, 36 at bev=kitti are not). The first chain's input is the BEV tensor (made
+        # channels-last by the voxelizer), which its first conv keeps for backward: counted once, as the BEV.
+        saved = 2 * sum(maps[1:]) + (out_map if ch.proj is not None else 0)
         copy = maps[0] if chans[0] % 4 else 0
         return (saved if train else 0), maps[0] + copy + 2 * max(maps[1:]), out_map
     bp = geo.block
@@ -188,11 +190,39 @@ def estimate(model: BevDetector, batch: int, shares: Sequence[float] | float | N
     n_back = sum(len(s.units) for s in model.backbone.stages)
     ends = {sum(len(s.units) for s in model.backbone.stages[: i + 2]) - 1: feats[i] for i in model.neck.use}
     alive = 0  # stage outputs produced so far that the neck reads later
+    # checkpointed stages (training): their saved activations exist only while their own backward recomputes them;
+    # the step keeps their input instead. Dense: a stage's input is the previous stage's output, which that stage
+    # saved - unless it is checkpointed too: so each checkpointed stage's output map is counted. Sparse: no stage
+    # saves a map; a checkpointed stage's input is counted unless it is the BEV tensor or a map the neck reads.
+    ckpt = model.backbone.checkpoint_stages if train else frozenset()
+    names = model.backbone.stage_names
+    stage_of = [c.name.split(".")[0] for c in chains]
+    # stage -> what its recomputation holds in the backward: the saved before it, its own saved, its output's
+    # gradient; dense: the gradients the backward makes inside it and of its input (a map of its output, one of its
+    # input; none for the stem), sparse: the recomputed forward's working set (its input and output maps, blocks)
+    recomputed: dict[str, list[int]] = {}
+    inputs_kept = walk = 0
     for k, c in enumerate(chains):
-        saved, work, _ = _chain_bytes(c, N, f, train)
+        saved, work, out_map = _chain_bytes(c, N, f, train)
+        in_map = N * c.chain.in_channels * c.in_hw[0] * c.in_hw[1] * f
         per_stage[c.name] = saved if train else work
+        if stage_of[k] in ckpt:
+            si = names.index(stage_of[k])
+            first_chain = stage_of[k] not in recomputed
+            if dense and (k + 1 == n_back or stage_of[k + 1] != stage_of[k]):  # the stage's output
+                inputs_kept += out_map
+            elif not dense and first_chain and si > 0 and si - 2 not in model.neck.use:  # its input
+                inputs_kept += in_map
+            r = recomputed.setdefault(stage_of[k], [saved_total, 0, 0, in_map if si > 0 and dense else 0, 0])
+            r[1] += saved
+            r[2] = 2 * out_map if dense else out_map
+            if not dense:
+                r[4] = max(r[4], work - (in_map if c.first else 0))
+            saved = 0
         saved_total += saved
         work_max = max(work_max, work + (alive if k < n_back else kept))
+        if train and not c.dense and k < n_back:  # a sparse stage at work: its maps beside what is saved so far
+            walk = max(walk, saved_total + alive + work - (in_map if c.first else 0))  # the first's input: the BEV
         alive += ends.get(k, 0)
     neck_c, (h0, w0) = model.neck.out_channels, stage_hw[model.neck.use[0]]
     neck_maps = sum(N * neck_c * stage_hw[i][0] * stage_hw[i][1] * f for i in model.neck.use)
@@ -205,9 +235,13 @@ def estimate(model: BevDetector, batch: int, shares: Sequence[float] | float | N
     extra = net_alive + neck_maps + head_out * 3  # the neck's sums (smoothing inputs), head outputs and loss terms
     if not dense:
         extra += kept + N * neck_c * h0 * w0 * f  # sparse: the stage outputs and the tower output kept for backward
-    # the peak is the end of the forward: the backward frees each layer's saved maps as it makes their gradients
-    # (measured: no transient above it at batch 1 - 16)
-    return MemoryEstimate(N, "train", P, P, state_per_param * P, bev + saved_total + extra, 0, per_stage)
+    # the peak is the largest of: the end of the forward (the backward frees each layer's saved maps as it makes
+    # their gradients), a sparse stage's forward (its input and output maps at full size beside the blocks saved so
+    # far and the mask net's tensors: at bev=kitti the stem's and stage 1's maps) and a checkpointed stage's
+    # recomputation in the backward
+    end = bev + saved_total + extra + inputs_kept
+    peak = max([end, bev + net_alive + walk] + [bev + net_alive + sum(r) for r in recomputed.values()])
+    return MemoryEstimate(N, "train", P, P, state_per_param * P, peak, 0, per_stage)
 
 
 def stage_shares(model: BevDetector, mask: torch.Tensor) -> list[float]:

@@ -73,7 +73,7 @@ def build_datamodule(data_cfg: DictConfig, mask_cfg: DictConfig | None, grid: Be
         provider = instantiate(mask_cfg.provider)
     augment = instantiate(data_cfg.augment) if data_cfg.get("augment") else None
     node = {k: v for k, v in OmegaConf.to_container(data_cfg, resolve=True).items()
-            if k not in ("augment", *DATASET_KEYS)}
+            if k not in ("augment", "memory_budget_mb", *DATASET_KEYS)}  # memory_budget_mb: batch_size=auto's
     extra = {} if batch_size is None else {"batch_size": batch_size}
     return instantiate(node, _partial_=True)(grid=grid, augment=augment, mask_provider=provider, **extra)
 
@@ -158,7 +158,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if bs == "auto":
         from detector.batch_size import find_batch_size
 
-        bs = find_batch_size(lambda b: build_datamodule(cfg.data, cfg.mask, grid, sparse, b), model)
+        bs = find_batch_size(lambda b: build_datamodule(cfg.data, cfg.mask, grid, sparse, b), model,
+                             budget_mb=cfg.data.get("memory_budget_mb"))
         print(f"data.batch_size=auto: using {bs}")
     dm = build_datamodule(cfg.data, cfg.mask, grid, sparse, bs)
     from detector.batch_size import probe_shares

@@ -212,3 +212,39 @@ def test_bench_memory_merge_keeps_the_rows_and_machines_of_earlier_runs(tmp_path
     assert res["meta"]["cpu"] == f"An Older CPU (runs 1-2); {cpu_model()} (run 3 on)"
     assert res["meta"]["torch"] == f"0.0-old; {torch.__version__} (run 3 on)"
     assert len(res["meta"]["commands"]) == 3
+
+
+def test_batch_size_auto_takes_the_stated_budget(tmp_path, tiny_root, capsys):
+    """data.memory_budget_mb: the largest batch whose estimate fits that budget (on any device), confirmed by a
+    real step whose measured peak fits it too; a budget below batch 2's estimate gives 1."""
+    from detector.batch_size import find_batch_size, probe_shares
+
+    cfg, grid, model = _setup(tmp_path, tiny_root, False)
+    make_dm = lambda n: build_datamodule(cfg.data, cfg.mask, grid, True, n)  # noqa: E731
+    shares = probe_shares(model, make_dm)
+    est = [estimate(model, b, shares, train=True).peak / MB for b in (1, 2, 3)]
+    budget = (est[1] + est[2]) / 2  # batch 2 fits by the estimate, batch 3 does not
+    b = find_batch_size(make_dm, model, budget_mb=budget)
+    line = capsys.readouterr().out
+    assert f"data.memory_budget_mb={budget:g}" in line
+    measured = float(line.split("measured ")[-1].split(" MB")[0])
+    assert b in (1, 2) and measured <= budget, line  # 1 only if the real step needed more than the budget
+    assert find_batch_size(make_dm, model, budget_mb=(est[0] + est[1]) / 2) == 1
+
+
+def test_batch_size_auto_prices_the_mask_the_model_computes(tmp_path, tiny_root):
+    """mask=predicted: the data carries no mask, the model makes it - the estimate takes that mask's blocks (at the
+    first step the warm-up's union with the boxes), not a dense network's."""
+    from detector.batch_size import probe_shares
+
+    cfg = _cfg(tmp_path, tiny_root, *SMALL, "mask=predicted")
+    grid = build_grid(cfg.bev)
+    model = build_model(cfg.model, cfg.mask, grid)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    shares = probe_shares(model, lambda n: build_datamodule(cfg.data, cfg.mask, grid, True, n))
+    assert shares is not None and 0 < shares[0] < 1
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    dense_cfg = _cfg(tmp_path, tiny_root, *SMALL, "model=dense", "mask=none")
+    dense = build_model(dense_cfg.model, dense_cfg.mask, grid)
+    assert probe_shares(dense, lambda n: build_datamodule(dense_cfg.data, dense_cfg.mask, grid, False, n)) is None

@@ -304,7 +304,8 @@ class BevDetector(nn.Module):
         (heatmap logits, regression, the device-side overflow flag, every list's true count). No host read."""
         nb = len(self.backbone.stages)
         t = time.perf_counter() if times is not None else 0.0
-        feats, overflow, counts = forward_capacity(self.backbone, bev, mask, modes[:nb], caps[:nb], times)
+        feats, overflow, counts = forward_capacity(self.backbone, bev, mask, modes[:nb], caps[:nb], times,
+                                                   keep=self.neck.use)
         if times is not None:
             t = self._tick(times, "backbone", t)
         lists: list[BlockList | str] = []

@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from contextlib import contextmanager, nullcontext
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from detector.ops.capacity import BlockList, uses_buckets
 
@@ -74,13 +76,16 @@ def _check_modes(net: torch.nn.Module, modes: Sequence[int | str]) -> list[int |
 
 
 def forward_capacity(net: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor, modes: Sequence[int | str],
-                     caps: Sequence[StageCapacity | None], times: dict[str, float] | None = None
-                     ) -> tuple[list[torch.Tensor], torch.Tensor, list]:
+                     caps: Sequence[StageCapacity | None], times: dict[str, float] | None = None,
+                     keep: Collection[int] | None = None) -> tuple[list[torch.Tensor | None], torch.Tensor, list]:
     """The backbone (a :class:`~detector.nn.resnet.SparseResNet`) with ``modes[i]`` (a tile, or 'dense') and the
     list capacities ``caps[i]`` per stage (None: exactly the active blocks): (the stages' features, the device-side
     overflow flag, each stage's true counts as device tensors). With capacities no host read; compiles with
     ``fullgraph=True``. ``times``: if given, each stage's wall seconds are added to it under ``backbone/<stage>``
-    (synchronizing on CUDA)."""
+    (synchronizing on CUDA). ``keep``: the features returned (indices into them; None: all) - the others are None,
+    freed once the next stage has read them (a sparse stage keeps no map of its input). A stage named in ``net.checkpoint_stages`` keeps, in a training step, only its input
+    for the backward and runs its forward again there (``torch.utils.checkpoint``, non-reentrant): the same values
+    and gradients, its activations alive only while its own backward runs."""
     modes = _check_modes(net, modes)
     mask = None if mask is None else mask.to(x.dtype)  # None: the dense network (every mode 'dense')
     if net.channels_last:
@@ -89,19 +94,42 @@ def forward_capacity(net: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor, 
     feats, counts = [], []
     for i, stage in enumerate(net.stages):
         t0 = _now(x) if times is not None else 0.0
-        if modes[i] == DENSE:
-            x, mask = stage(x, mask, dense=True)
-            counts.append([])
+        if net.training and torch.is_grad_enabled() and net.stage_names[i] in net.checkpoint_stages:
+            x, mask, ovf, cnt = checkpoint(_stage, stage, x, mask, modes[i], caps[i], use_reentrant=False,
+                                           context_fn=lambda st=stage: (nullcontext(), _statistics_kept(st)))
         else:
-            x, mask, ovf, cnt = stage_capacity(stage, x, mask, int(modes[i]), caps[i])
-            overflow = overflow | ovf
-            counts.append(cnt)
+            x, mask, ovf, cnt = _stage(stage, x, mask, modes[i], caps[i])
+        overflow = overflow | ovf
+        counts.append(cnt)
         if i > 0:
-            feats.append(x)
+            feats.append(x if keep is None or i - 1 in keep else None)
         if times is not None:
             key = f"backbone/{net.stage_names[i]}"
             times[key] = times.get(key, 0.0) + _now(x) - t0
     return feats, overflow, counts
+
+
+def _stage(stage: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor | None, mode: int | str,
+           cap: StageCapacity | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, list]:
+    """One stage at ``mode``: (output, its mask, overflow flag, the lists' counts)."""
+    if mode == DENSE:
+        x, mask = stage(x, mask, dense=True)
+        return x, mask, torch.zeros((), dtype=torch.bool, device=x.device), []
+    return stage_capacity(stage, x, mask, int(mode), cap)
+
+
+@contextmanager
+def _statistics_kept(stage: torch.nn.Module):  # noqa: ANN202
+    """A checkpointed stage's recomputation leaves its batch norms' running statistics as the forward left them
+    (the recomputed forward normalizes with the same batch moments, and would count the batch twice)."""
+    bufs = [b for m in stage.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for b in m.buffers()]
+    kept = [b.clone() for b in bufs]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, k in zip(bufs, kept, strict=True):
+                b.copy_(k)
 
 
 def _now(x: torch.Tensor) -> float:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -54,7 +54,8 @@ class StageInput:
     """What the plan of one stage depends on. ``units``: its chains (first, then the rest, which share a
     geometry); ``shape``: (N, H, W) of the stage input; ``rest_hw``: the others' input map; ``counts``:
     (tile, active blocks of the first unit, of each other unit) per tile considered - ints, or 0-d tensors on
-    the mask's device as :func:`measure` returns them until :func:`settle` reads them."""
+    the mask's device as :func:`measure` returns them until :func:`settle` reads them; ``recompute``: a training
+    step runs the stage's forward twice (activation checkpointing, ``model.checkpoint_stages``)."""
 
     name: str
     setting: int | str
@@ -62,9 +63,10 @@ class StageInput:
     shape: tuple[int, int, int]
     rest_hw: tuple[int, int]
     counts: tuple[tuple[int, int, int], ...]
+    recompute: bool = False
 
     def with_totals(self, n: int, counts: Sequence[tuple[int, int, int]]) -> StageInput:
-        return StageInput(self.name, self.setting, self.units, (n, *self.shape[1:]), self.rest_hw, tuple(counts))
+        return replace(self, shape=(n, *self.shape[1:]), counts=tuple(counts))
 
 
 @dataclass(frozen=True)
@@ -153,16 +155,19 @@ def settle(inputs: Sequence[StageInput]) -> list[StageInput]:
 
 def stage_cost(inp: StageInput, option: int | str, cost: CostModel, training: bool, buckets: bool = True) -> float:
     """Estimated seconds of the stage run dense (``option == 'dense'``) or sparse with that tile on its block lists
-    (which hold the bucket of the count, or with ``buckets`` False the count: :func:`list_rows`)."""
+    (which hold the bucket of the count, or with ``buckets`` False the count: :func:`list_rows`). A stage that
+    recomputes its forward in training (``inp.recompute``) pays the forward once more: a third of the step's
+    per-element terms (the backward's two), priced as 4/3 of the step."""
     (N, H, W), (Hr, Wr) = inp.shape, inp.rest_hw
     first, rest = inp.units[0], inp.units[1:]
+    again = 4 / 3 if training and inp.recompute else 1.0
     if option == DENSE:
-        return cost.dense(first, N, H, W, training) + sum(cost.dense(u, N, Hr, Wr, training) for u in rest)
+        return again * (cost.dense(first, N, H, W, training) + sum(cost.dense(u, N, Hr, Wr, training) for u in rest))
     _, k1, kr = next(c for c in inp.counts if c[0] == option)
     k1, kr = list_rows(inp, option, k1, kr, buckets=buckets)
     base = "copy" if first.shortcut == "identity" else "zeros"
-    return cost.sparse(first, N, H, W, option, k1, base, training) + sum(
-        cost.sparse(u, N, Hr, Wr, option, kr, "inplace", training) for u in rest)
+    return again * (cost.sparse(first, N, H, W, option, k1, base, training) + sum(
+        cost.sparse(u, N, Hr, Wr, option, kr, "inplace", training) for u in rest))
 
 
 def list_rows(inp: StageInput, tile: int, k1: int, kr: int, smallest: int = 8, buckets: bool = True
@@ -285,7 +290,7 @@ class Planner:
         if shared:
             inputs = _sum_over_ranks(inputs, device)
         buckets = uses_buckets(device)
-        key = (training, buckets, tuple((i.name, i.setting, id(i.units[0]), i.shape, i.rest_hw, i.counts)
+        key = (training, buckets, tuple((i.name, i.setting, id(i.units[0]), i.shape, i.rest_hw, i.counts, i.recompute)
                                      for i in inputs))
         plan = self._memo.get(key)
         if plan is None:

@@ -30,6 +30,7 @@ choice gives the same output.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -147,6 +148,7 @@ class SparseResNet(nn.Module):
         tol: float = 0.5,
         channels_last: bool = True,
         planner: Planner | None = None,
+        checkpoint_stages: Sequence[str] = (),
     ) -> None:
         super().__init__()
         n = len(stage_units)
@@ -204,6 +206,10 @@ class SparseResNet(nn.Module):
             acc *= s
             strides.append(acc)
         self.strides = tuple(strides)
+        if isinstance(checkpoint_stages, str) or any(n not in self.stage_names for n in checkpoint_stages):
+            raise ConfigError(f"model.checkpoint_stages: a list of stage names among {self.stage_names}, got "
+                              f"{checkpoint_stages!r}")
+        self.checkpoint_stages = frozenset(checkpoint_stages)
 
     @property
     def stage_names(self) -> list[str]:
@@ -221,13 +227,15 @@ class SparseResNet(nn.Module):
         for name, stage, setting in zip(self.stage_names, self.stages, settings, strict=True):
             units = list(stage.units)
             mask = mask_at_stride(mask, units[0].stride)  # the stage's mask at its output resolution
-            out.append(measure(name, setting, units, (N, H, W), mask, self.planner.candidates, prune))
+            inp = measure(name, setting, units, (N, H, W), mask, self.planner.candidates, prune)
+            out.append(replace(inp, recompute=name in self.checkpoint_stages))
             H, W = out[-1].rest_hw
         return out
 
     def extra_repr(self) -> str:
         return (f"block_sizes={self.block_sizes} (stem, then each stage; auto: the planner's per batch), "
-                f"tol={self.tol}, channels_last={self.channels_last}")
+                f"tol={self.tol}, channels_last={self.channels_last}"
+                + (f", checkpoint_stages={sorted(self.checkpoint_stages)}" if self.checkpoint_stages else ""))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
                 modes: list[int | str] | None = None, times: dict[str, float] | None = None) -> list[torch.Tensor]:
