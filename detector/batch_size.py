@@ -67,9 +67,11 @@ def find_batch_size(
     max_batch: int = 64,
     fraction: float = 0.6,
     budget_mb: float | None = None,
+    trials: list[dict] | None = None,
 ) -> int:
     """The batch size to train with; ``make_dm(b)`` builds the data module for batch size ``b``. ``budget_mb``
-    (``data.memory_budget_mb``): the budget itself, on any device; None: ``fraction`` of the free memory."""
+    (``data.memory_budget_mb``): the budget itself, on any device; None: ``fraction`` of the free memory.
+    ``trials``: if given, each confirmed batch is appended to it (batch, predicted and measured bytes, budget)."""
     from detector.memory import MB, estimate, largest_fitting
 
     state = {k: v.clone() for k, v in model.state_dict().items()}  # BN statistics change in the trial step
@@ -94,6 +96,9 @@ def find_batch_size(
             print(f"data.batch_size=auto: batch {b}: predicted {predicted / MB:.0f} MB, measured "
                   f"{'out of memory' if measured is None else f'{measured / MB:.0f} MB'} "
                   f"(budget {budget / MB:.0f} MB: {source})")
+            if trials is not None:
+                trials.append({"batch": b, "predicted": predicted, "measured": measured, "budget": budget,
+                               "shares": shares})
             if measured is not None and measured <= budget or b == 1:
                 break
             b = max(1, int(b * budget / measured) if measured is not None else b // 2)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from detector.data.structures import Batch, Detections
+from detector.errors import ConfigError
 from detector.geometry.box_masks import boxes_mask
 from detector.geometry.voxelize import BevGrid, voxelize
 from detector.models.head import DetectionHead
@@ -177,6 +178,9 @@ class BevDetector(nn.Module):
             raise ValueError("BevDetector: a mask_net needs a mask_schedule (how training uses its mask)")
         if mask_net is not None and not sparse:
             raise ValueError("BevDetector: a dense detector (sparse=False) computes every cell: no mask_net")
+        if capture_train and backbone.checkpoint_stages:  # a captured step replays one graph: no recomputation
+            raise ConfigError("model.checkpoint_stages needs model.capture_train=false (a training step captured as a "
+                              "CUDA graph does not recompute stages)")
         if grid.H % out_stride or grid.W % out_stride:
             raise ValueError(f"BEV grid {grid.H}x{grid.W} is not divisible by the head's stride {out_stride}")
         self.grid = grid

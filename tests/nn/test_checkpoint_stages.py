@@ -74,3 +74,24 @@ def test_checkpointed_stages_keep_less():
 def test_an_unknown_stage_is_a_config_error():
     with pytest.raises(ConfigError, match="model.checkpoint_stages"):
         _net(["stage9"], 8)
+
+
+def test_checkpointed_stages_are_refused_with_a_captured_training_step(tmp_path, tiny_root):
+    from detector.build import build_grid, build_model
+    from tests.test_train import _cfg
+
+    cfg = _cfg(tmp_path, tiny_root, "model.checkpoint_stages=[stem]", "model.capture_train=true")
+    with pytest.raises(ConfigError, match="model.checkpoint_stages needs model.capture_train=false"):
+        build_model(cfg.model, cfg.mask, build_grid(cfg.bev))
+    cfg = _cfg(tmp_path, tiny_root, "model.checkpoint_stages=[stem,stage1]")  # the user's override builds
+    assert build_model(cfg.model, cfg.mask, build_grid(cfg.bev)).backbone.checkpoint_stages == {"stem", "stage1"}
+
+
+def test_training_with_checkpointed_stages_runs_as_a_user_runs_it(tmp_path, tiny_root):
+    """scripts/train.py model.checkpoint_stages=[stem,stage1] with the default mask (the mask net, its schedule)."""
+    from detector.tasks import train
+    from tests.test_train import _cfg
+
+    result = train(_cfg(tmp_path, tiny_root, "model.checkpoint_stages=[stem,stage1]", "trainer.max_steps=2",
+                        "evaluate_after=false", "logger=none", "trainer.limit_val_batches=0"))
+    assert result["best_ckpt"] is not None
