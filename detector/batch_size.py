@@ -42,9 +42,9 @@ def _mem_available() -> int:
 
 def probe_shares(model: BevDetector, make_dm: Callable[[int], KittiDataModule], frames: int = 4) -> list[float] | None:
     """The active-tile share per stage of the mask the model computes on in a training step, on the first training
-    batch of ``frames`` frames (None: the dense model). The model's own forward decides it (a data-side mask, or
-    the mask net's with its training schedule: at the first step the warm-up's union with the boxes); its weights
-    and statistics are left as they were."""
+    batch of ``frames`` frames (None: the dense model). The model decides it (:meth:`BevDetector.computation_mask`:
+    a data-side mask, or the mask net's with its training schedule - at the first step the warm-up's union with the
+    boxes); its weights and statistics are left as they were."""
     from detector.memory import stage_shares
 
     if not model.use_data_mask:
@@ -54,7 +54,7 @@ def probe_shares(model: BevDetector, make_dm: Callable[[int], KittiDataModule], 
     was = model.training
     try:
         with torch.no_grad():
-            mask = model.train()(batch).mask
+            mask, _ = model.train().computation_mask(batch, model.voxelize(batch), step=0)
     finally:
         model.load_state_dict(state)
         model.train(was)

@@ -124,7 +124,8 @@ def _chain_bytes(c: _Chain, N: int, f: int, train: bool) -> tuple[int, int, int]
         # channels-last by the voxelizer), which its first conv keeps for backward: counted once, as the BEV.
         saved = 2 * sum(maps[1:]) + (out_map if ch.proj is not None else 0)
         copy = maps[0] if chans[0] % 4 else 0
-        return (saved if train else 0), maps[0] + copy + 2 * max(maps[1:]), out_map
+        proj = 2 * out_map if ch.proj is not None else 0  # the projection's output and the sum
+        return (saved if train else 0), (0 if c.first else maps[0]) + copy + 2 * max(maps[1:]) + proj, out_map
     bp = geo.block
     K = c.blocks if c.blocks is not None else int(round(c.share * N * bp.bcount_h * bp.bcount_w))
     blocks = [K * ci * lv.extent[0] * lv.extent[1] * f for ci, lv in zip(chans, geo.levels, strict=True)]
@@ -139,10 +140,18 @@ def _chain_bytes(c: _Chain, N: int, f: int, train: bool) -> tuple[int, int, int]
     if ch.proj is not None and not ch.preact:  # the projection's own gather: its tile's input pixels at stride S
         S = ch.stride
         saved += K * chans[0] * ((geo.tile[0] - 1) * S + 1) * ((geo.tile[1] - 1) * S + 1) * f
-    # working set: the input map, its gathered blocks, two block tensors of the widest level, the projection's tiles
-    # (computed first, alive until the scatter) and the output map
+    # working set: the input map (not the first chain's: the BEV tensor, counted as such), its gathered blocks, two
+    # block tensors of the widest level, the projection's tiles (computed first, alive until the scatter), the
+    # scatter's tiles (an identity unit's: the map's old tiles, their sum with the new ones and its ReLU; else the
+    # masked tiles) and the output map
     proj = tiles if ch.proj is not None else 0
-    return (saved if train else 0), maps[0] + blocks[0] + 2 * max(blocks[1:]) + proj + new_map, out_map
+    scatter = 3 * tiles if identity else tiles
+    src = 0 if c.first else maps[0]
+    if not train:  # inference frees as it goes: each convolution's input, output and its level's zeroing, then the
+        # last convolution's input and output tiles, the scatter's tensors and the output map
+        convs = max(a + 2 * b for a, b in zip(blocks, blocks[1:]))
+        return 0, src + max(convs + proj, blocks[-2] + blocks[-1] + proj + scatter + new_map), out_map
+    return saved, src + blocks[0] + 2 * max(blocks[1:]) + proj + scatter + new_map, out_map
 
 
 def _mask_net_bytes(model: BevDetector, N: int, f: int, train: bool) -> tuple[int, int]:
@@ -217,12 +226,12 @@ def estimate(model: BevDetector, batch: int, shares: Sequence[float] | float | N
             r[1] += saved
             r[2] = 2 * out_map if dense else out_map
             if not dense:
-                r[4] = max(r[4], work - (in_map if c.first else 0))
+                r[4] = max(r[4], work)
             saved = 0
         saved_total += saved
         work_max = max(work_max, work + (alive if k < n_back else kept))
         if train and not c.dense and k < n_back:  # a sparse stage at work: its maps beside what is saved so far
-            walk = max(walk, saved_total + alive + work - (in_map if c.first else 0))  # the first's input: the BEV
+            walk = max(walk, saved_total + alive + work)
         alive += ends.get(k, 0)
     neck_c, (h0, w0) = model.neck.out_channels, stage_hw[model.neck.use[0]]
     neck_maps = sum(N * neck_c * stage_hw[i][0] * stage_hw[i][1] * f for i in model.neck.use)

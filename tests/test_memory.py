@@ -184,11 +184,13 @@ def test_bench_memory_render_only_rewrites_the_markdown_from_the_json(tmp_path, 
     md = out.with_suffix(".md").read_text()
     assert out.with_suffix(".json").read_text() == before  # nothing measured, the JSON untouched
     assert "a note edited by hand" in md and "- `python scripts/bench_memory.py`" in md
-    assert "| small | 1 | 0.5 | train | 10.0 | 11.0 | -9.1 |" in md
-    assert "| kitti | 16 | dense | train | 9000.0 | - | not measured" in md
+    # a row measured before the mask tile and checkpoint were recorded: 16-px tiles, no checkpointed stage
+    assert "| small | 1 | 0.5 | 16 | - | - | train | 10.0 | 11.0 | -9.1 |" in md
+    assert "| kitti | 16 | dense | - | - | - | train | 9000.0 | - | not measured" in md
     assert "1 measured rows; |error| <= 10 % in 1" in md
     # what sparsity means in this table, and that estimate_memory's is another thing
-    assert "inactive at stride 1" in md and "deeper stages' shares are those of the same mask's real blocks" in md
+    assert "sparsity = share of the mask's random tiles" in md
+    assert "deeper stages' shares are those of the same mask's real blocks" in md
     assert "estimate_memory.py's sparsity=, the inactive share at every stage" in md
     with pytest.raises(SystemExit, match="error: render_only=true: .*does not exist"):
         bench_memory.main([f"out={tmp_path / 'none'}", "render_only=true"])

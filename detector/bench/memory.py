@@ -179,7 +179,9 @@ def markdown(meta: dict, rows: list[dict], autos: list[dict] = ()) -> str:
              f"{meta.get('cpu')}, {meta['threads']} threads, torch {meta['torch']}, allocator {meta['allocator']}. "
              "CPU training config (configs/model/sparse.yaml), fixed 16-px tiles, Adam, fp32, real sim frames; "
              "sparsity = share of the mask's random tiles (mask tile px, at the input grid) inactive; active 16 px = "
-             "the share of 16-px tiles holding a mask pixel at strides 1 / 2 / 4 / 8 / 16 (the stem, stages 1-4); "
+             "the share of 16-px tiles holding a mask pixel at strides 1 / 2 / 4 / 8 / 16 (the stem, stages 1-4: "
+             "the deeper stages' shares are those of the same mask's real blocks, unlike scripts/estimate_memory.py's "
+             "sparsity=, the inactive share at every stage); "
              "checkpoint = model.checkpoint_stages; train = forward + loss + backward + optimizer step after a "
              "warm-up step; measured = tensors alive before + peak of torch.profiler's CPU allocator events (not "
              "RSS). Runs (merged; load average at their start and end):", ""]

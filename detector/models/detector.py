@@ -238,17 +238,7 @@ class BevDetector(nn.Module):
         if bev is None:
             bev = self.voxelize(batch)
         t = self._tick(times, "voxelize", t)
-        mask, mask_logits = None, None
-        if self.mask_net is not None:
-            mask_logits = self.mask_net(bev)
-            threshold = self.mask_schedule.threshold_at(step) if self.training else None
-            mask = self.mask_net.computation_mask(mask_logits, bev.shape[-2:], threshold)
-            source = self.mask_schedule.source_at(step) if self.training else "predicted"
-            if source != "predicted":
-                gt = self.object_mask(batch, downsample=1, dilation_m=self.mask_union_dilation_m).to(bev)
-                mask = gt if source == "gt" else torch.maximum(mask, gt)
-        elif self.use_data_mask and batch.mask is not None:
-            mask = batch.mask.to(bev)
+        mask, mask_logits = self.computation_mask(batch, bev, step)
         t = self._tick(times, "mask", t)
         plan = None
         inference = not (self.training or torch.is_grad_enabled())
@@ -267,6 +257,23 @@ class BevDetector(nn.Module):
             heat, reg, plan = self.capacity_forward(bev, mask, level_masks, times)
         sparsity = 0.0 if mask is None else float(1.0 - mask.mean())
         return DetectorOutput(heat, reg, mask, mask_logits, sparsity, times, plan)
+
+    def computation_mask(self, batch: Batch, bev: torch.Tensor, step: int | None = None
+                         ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(the computation mask ``[B, 1, H, W]`` the network runs on - None: dense -, the mask net's logits): the
+        mask net's (in training as its schedule says at ``step``), else the batch's own mask."""
+        if self.mask_net is not None:
+            mask_logits = self.mask_net(bev)
+            threshold = self.mask_schedule.threshold_at(step) if self.training else None
+            mask = self.mask_net.computation_mask(mask_logits, bev.shape[-2:], threshold)
+            source = self.mask_schedule.source_at(step) if self.training else "predicted"
+            if source != "predicted":
+                gt = self.object_mask(batch, downsample=1, dilation_m=self.mask_union_dilation_m).to(bev)
+                mask = gt if source == "gt" else torch.maximum(mask, gt)
+            return mask, mask_logits
+        if self.use_data_mask and batch.mask is not None:
+            return batch.mask.to(bev), None
+        return None, None
 
     def settings(self) -> list[int | str]:
         """The configured setting of every sparse stage: the backbone's stages, the neck's levels, the head's

@@ -496,11 +496,13 @@ def chain_capacity(chain: SparseConvChain, x: torch.Tensor, blist: BlockList, ma
     add = "map" if chain.shortcut == "identity" else residual
     j = _out_slot(chain, L - 1)
     if not norm.batch(j):
-        return conv_scatter(a, blist, *norm.folded(L - 1), base, tile=T, residual=add, relu=post)
+        return conv_scatter(a, blist, *norm.folded(L - 1), base, tile=T, residual=add, relu=post,
+                            zeros=chain.shortcut != "identity")
     t = norm(j, conv(L - 1, a, wb=(chain.convs[L - 1].weight, None)))  # post-activation: relu(bn(conv) + shortcut)
     if residual is not None:
         t = t + residual
-    return scatter_padded(t, blist, base, add=chain.shortcut == "identity", relu=True, inplace=True)
+    return scatter_padded(t, blist, base, add=chain.shortcut == "identity", relu=True, inplace=True,
+                          zeros=chain.shortcut != "identity")
 
 
 def _projection(chain: SparseConvChain, norm: _ListNorm, x: torch.Tensor, a0: torch.Tensor | None,

@@ -28,6 +28,7 @@ caller reruns with a larger bucket or dense (:mod:`detector.nn.capacity` does, a
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -150,6 +151,19 @@ def gather_tiles(t: torch.Tensor, indices: torch.Tensor, tile: tuple[int, int]) 
     return gather_windows(t, indices, tile, (tile, (0, 0)))
 
 
+# a list's kept tile pixels per tile size, made once: the units of a stage share their list
+_KEEP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _keep(blist: BlockList, tile: tuple[int, int]) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return blist.keep(tile)
+    kept = _KEEP.setdefault(blist, {})
+    if tile not in kept:
+        kept[tile] = blist.keep(tile)
+    return kept[tile]
+
+
 def _tile_params(bp: BlockParams, tile: tuple[int, int]) -> BlockParams:
     from dataclasses import replace
 
@@ -158,16 +172,20 @@ def _tile_params(bp: BlockParams, tile: tuple[int, int]) -> BlockParams:
 
 
 def scatter_padded(tiles: torch.Tensor, blist: BlockList, base: torch.Tensor, add: bool, relu: bool,
-                   inplace: bool) -> torch.Tensor:
+                   inplace: bool, zeros: bool = False) -> torch.Tensor:
     """``sparse_scatter`` of ``tiles [capacity, C, th, tw]`` at ``blist``'s rows into ``base`` (a copy, or ``base``
     itself with ``inplace``), padding rows and pixels outside the list's mask inert: the map keeps its values there.
     The composition of the existing kernels (no sync), differentiable either way: in place under autograd the write
     is recorded on ``base`` (:class:`~detector.ops.formulas.ScatterInPlace`; its backward reads the tiles only, and a
     tensor saved earlier that aliases ``base`` fails loudly at the backward instead of giving a wrong gradient).
+    ``zeros``: ``base`` holds zeros at the list's tiles (a fresh output map), so they need not be read.
 
-        old = base at the tiles
+        old = base at the tiles                          (zeros: 0)
         new = relu?((old + tiles) if add else tiles)
         base at the tiles = where(keep, new, old)        keep: blist.keep(tile)
+
+    Where the kept pixels' ``old`` need not be read - an add without ReLU (``old + 0`` elsewhere), or zeros - the
+    masked tiles go to the kernel with its own add and ReLU: one pass less, and no gather of ``old``.
     """
     tile = (int(tiles.shape[2]), int(tiles.shape[3]))
     idx = blist.indices
@@ -175,9 +193,12 @@ def scatter_padded(tiles: torch.Tensor, blist: BlockList, base: torch.Tensor, ad
     if fmt is None:
         raise ValueError("scatter_padded: base must be NCHW-contiguous or channels-last")
     tiles = like_map(tiles, base)
-    keep = blist.keep(tile)
+    keep = _keep(blist, tile)
+    relu_flag = False
     if add and not relu:
         new, add_flag = torch.where(keep, tiles, 0).contiguous(memory_format=fmt), True
+    elif zeros and not add:  # relu(0) = 0 = base outside the kept pixels
+        new, add_flag, relu_flag = torch.where(keep, tiles, 0).contiguous(memory_format=fmt), False, relu
     else:
         old = gather_tiles(base, idx, tile)
         new = old + tiles if add else tiles
@@ -188,12 +209,12 @@ def scatter_padded(tiles: torch.Tensor, blist: BlockList, base: torch.Tensor, ad
 
         bp = _tile_params(blist.block, tile)
         op = reference.sparse_scatter_ if inplace else reference.sparse_scatter
-        return op(new, idx, base, bp, add_flag, False)
-    args = (new, idx, base, list(tile), [0, 0], add_flag, False)
+        return op(new, idx, base, bp, add_flag, relu_flag)
+    args = (new, idx, base, list(tile), [0, 0], add_flag, relu_flag)
     if inplace and torch.compiler.is_exporting():  # a program holds no in-place custom op (ONNX has none): copy back
         return base.copy_(torch.ops.sbnet.sparse_scatter(*args))
     if inplace and torch.is_grad_enabled() and (new.requires_grad or base.requires_grad):
-        return ScatterInPlace.apply(new, idx, base, tile, add_flag, False)
+        return ScatterInPlace.apply(new, idx, base, tile, add_flag, relu_flag)
     if inplace:
         torch.ops.sbnet.sparse_scatter_(*args)
         return base

@@ -192,13 +192,13 @@ def _conv_blocks_torch(src, blist, weight, bias, stride, origin, extent, pre, re
     return y
 
 
-def _conv_scatter_torch(blocks, blist, weight, bias, out, tile, residual, relu, inplace):  # noqa: ANN001, ANN202
+def _conv_scatter_torch(blocks, blist, weight, bias, out, tile, residual, relu, inplace, zeros):  # noqa: ANN001, ANN202
     t = F.conv2d(blocks, weight.to(blocks.dtype), None if bias is None else bias.to(blocks.dtype))
     if tuple(t.shape[2:]) != tuple(tile):
         raise ValueError(f"conv_scatter: the convolution gives {tuple(t.shape[2:])} tiles, expected {tuple(tile)}")
     if isinstance(residual, torch.Tensor):
         t = t + residual
-    return scatter_padded(t, blist, out, add=_is_map(residual), relu=relu, inplace=inplace)
+    return scatter_padded(t, blist, out, add=_is_map(residual), relu=relu, inplace=inplace, zeros=zeros)
 
 
 def _is_map(residual: object) -> bool:
@@ -379,11 +379,11 @@ def conv_blocks(src: torch.Tensor, blist: BlockList, weight: torch.Tensor, bias:
 
 def conv_scatter(blocks: torch.Tensor, blist: BlockList, weight: torch.Tensor, bias: torch.Tensor | None,
                  out: torch.Tensor, *, tile: tuple[int, int], residual: str | torch.Tensor | None = None,
-                 relu: bool = False, inplace: bool = True) -> torch.Tensor:
+                 relu: bool = False, inplace: bool = True, zeros: bool = False) -> torch.Tensor:
     """The last convolution of a unit on ``blocks``, its tiles combined into the map ``out`` (module docstring):
     ``residual="map"`` adds out's own values (the identity shortcut), a ``[capacity, CO, th, tw]`` tensor adds
     that (the projection), None writes. ``inplace``: into ``out`` itself (recorded as an in-place write under
-    autograd), else into a copy of it."""
+    autograd), else into a copy of it; ``zeros``: ``out`` holds zeros at the tiles (not read)."""
     if residual is not None and not isinstance(residual, torch.Tensor) and not _is_map(residual):
         raise ValueError(f"conv_scatter: residual must be 'map', a tensor or None, got {residual!r}")
     tile = (int(tile[0]), int(tile[1]))
@@ -391,7 +391,7 @@ def conv_scatter(blocks: torch.Tensor, blist: BlockList, weight: torch.Tensor, b
     grad = _grad(blocks, weight, bias, out, res_t)
 
     def slow(bl, w, b, o, r):  # noqa: ANN001, ANN202
-        return _conv_scatter_torch(bl, blist, w, b, o, tile, r if r is not None else residual, relu, inplace)
+        return _conv_scatter_torch(bl, blist, w, b, o, tile, r if r is not None else residual, relu, inplace, zeros)
 
     if fused_backend(blocks.device, blocks.dtype) != "triton":
         return slow(blocks, weight, bias, out, res_t)
