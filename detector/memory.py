@@ -111,8 +111,8 @@ def _chains(model: BevDetector, shares: Sequence[float], dense: bool, mask: torc
     return out, stage_hw
 
 
-def _chain_bytes(c: _Chain, N: int, f: int, train: bool) -> tuple[int, int, int]:
-    """(saved for backward, working set, output map bytes) of one chain."""
+def _chain_bytes(c: _Chain, N: int, f: int, train: bool) -> tuple[int, int, int, int]:
+    """(saved for backward, working set, output map bytes, largest block tensor after the first) of one chain."""
     ch = c.chain
     geo = ch.geometry(*c.in_hw)
     chans = [ch.in_channels] + [conv.out_channels for conv in ch.convs]
@@ -125,7 +125,7 @@ def _chain_bytes(c: _Chain, N: int, f: int, train: bool) -> tuple[int, int, int]
         saved = 2 * sum(maps[1:]) + (out_map if ch.proj is not None else 0)
         copy = maps[0] if chans[0] % 4 else 0
         proj = 2 * out_map if ch.proj is not None else 0  # the projection's output and the sum
-        return (saved if train else 0), (0 if c.first else maps[0]) + copy + 2 * max(maps[1:]) + proj, out_map
+        return (saved if train else 0), (0 if c.first else maps[0]) + copy + 2 * max(maps[1:]) + proj, out_map, 0
     bp = geo.block
     K = c.blocks if c.blocks is not None else int(round(c.share * N * bp.bcount_h * bp.bcount_w))
     blocks = [K * ci * lv.extent[0] * lv.extent[1] * f for ci, lv in zip(chans, geo.levels, strict=True)]
@@ -150,8 +150,8 @@ def _chain_bytes(c: _Chain, N: int, f: int, train: bool) -> tuple[int, int, int]
     if not train:  # inference frees as it goes: each convolution's input, output and its level's zeroing, then the
         # last convolution's input and output tiles, the scatter's tensors and the output map
         convs = max(a + 2 * b for a, b in zip(blocks, blocks[1:]))
-        return 0, src + max(convs + proj, blocks[-2] + blocks[-1] + proj + scatter + new_map), out_map
-    return saved, src + blocks[0] + 2 * max(blocks[1:]) + proj + scatter + new_map, out_map
+        return 0, src + max(convs + proj, blocks[-2] + blocks[-1] + proj + scatter + new_map), out_map, 0
+    return saved, src + blocks[0] + 2 * max(blocks[1:]) + proj + scatter + new_map, out_map, max(blocks[1:])
 
 
 def _mask_net_bytes(model: BevDetector, N: int, f: int, train: bool) -> tuple[int, int]:
@@ -206,13 +206,13 @@ def estimate(model: BevDetector, batch: int, shares: Sequence[float] | float | N
     ckpt = model.backbone.checkpoint_stages if train else frozenset()
     names = model.backbone.stage_names
     stage_of = [c.name.split(".")[0] for c in chains]
-    # stage -> what its recomputation holds in the backward: the saved before it, its own saved, its output's
-    # gradient; dense: the gradients the backward makes inside it and of its input (a map of its output, one of its
-    # input; none for the stem), sparse: the recomputed forward's working set (its input and output maps, blocks)
+    # stage -> what its recomputation holds in the backward: the saved before it, its own saved, two maps of its
+    # output (dense: its gradient and one the backward makes inside it; sparse: the recomputed output and its
+    # gradient), its input's gradient (not the stem's) and, sparse, the gradients of its widest blocks
     recomputed: dict[str, list[int]] = {}
     inputs_kept = walk = 0
     for k, c in enumerate(chains):
-        saved, work, out_map = _chain_bytes(c, N, f, train)
+        saved, work, out_map, block = _chain_bytes(c, N, f, train)
         in_map = N * c.chain.in_channels * c.in_hw[0] * c.in_hw[1] * f
         per_stage[c.name] = saved if train else work
         if stage_of[k] in ckpt:
@@ -222,11 +222,10 @@ def estimate(model: BevDetector, batch: int, shares: Sequence[float] | float | N
                 inputs_kept += out_map
             elif not dense and first_chain and si > 0 and si - 2 not in model.neck.use:  # its input
                 inputs_kept += in_map
-            r = recomputed.setdefault(stage_of[k], [saved_total, 0, 0, in_map if si > 0 and dense else 0, 0])
+            r = recomputed.setdefault(stage_of[k], [saved_total, 0, 0, in_map if si > 0 else 0, 0])
             r[1] += saved
-            r[2] = 2 * out_map if dense else out_map
-            if not dense:
-                r[4] = max(r[4], work)
+            r[2] = 2 * out_map  # dense: the output's gradient and one inside; sparse: the output and its gradient
+            r[4] = max(r[4], 2 * block)  # sparse: the blocks' gradients
             saved = 0
         saved_total += saved
         work_max = max(work_max, work + (alive if k < n_back else kept))

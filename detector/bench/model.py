@@ -3,7 +3,7 @@
     python scripts/bench_model.py [quick=false] [bev=kitti] [arch=pixor] [batches=1,4] [frames=8] [reps=3]
                                   [masks=none,road_map,predicted,ground] [block_size=16] [head_block_size=16]
                                   [mask_train_steps=1500] [root=data/sim_kitti] [out=benchmarks/model_cpu.json]
-                                  [device=cpu] [dtype=float32|bfloat16|float16] [ckpt_path=...]
+                                  [device=cpu] [dtype=float32|bfloat16|float16] [ckpt_path=...] [profile=false]
 
 For each mask and batch size: wall time per frame of voxelize → mask → backbone → neck+head → decode
 (eval mode, no autograd) on the simulated val frames, the mean mask sparsity, the time shares, and the
@@ -24,6 +24,9 @@ activates a growing share of the deeper stages' tiles. ``mask_recall`` is the me
 cells inside the mask (detector/models/mask_quality.py). ``block_size=auto`` (and ``head_block_size=auto``) runs
 the execution plan (detector/nn/plan.py); the plan chosen at batch 1 and 4 is printed. ``device``/``dtype``: the
 model and its BEV input on that device in that dtype (the GPU check runs ``device=cuda dtype=bfloat16``).
+
+``profile=true``: also where each row's milliseconds go - ``torch.profiler``'s ops by region of the forward
+(voxelize, mask, plan, each backbone stage, neck, head, decode), written beside ``out`` as ``<out>_profile``.json/.md.
 
 ``ckpt_path``: time a trained detector instead (its grid, architecture, plan settings and weights, the mask
 network it trained included; ``bev``/``arch``/``block_size`` are then the checkpoint's). ``mask=predicted``
@@ -148,12 +151,84 @@ def time_config(model, provider, frames, batch: int, reps: int, device: torch.de
                          if k.startswith("backbone/")}}
 
 
+REGIONS = ("load", "voxelize", "mask", "plan", "neck", "head", "decode")  # and backbone/<stage>
+
+
+@torch.no_grad()
+def profile_config(model, provider, frames, batch: int, device: torch.device, dtype: torch.dtype) -> dict:
+    """Where a frame's milliseconds go: one pass over ``frames`` (after a warm-up pass) under ``torch.profiler``,
+    each op's own time (self CPU) given to the region of the forward it ran in (``load``: collating the frames and
+    a data-side mask; ``voxelize``; ``mask``; ``plan``; ``backbone/<stage>``; ``neck``; ``head``; ``decode``;
+    ``other``: outside them). Per region its ms per frame and its heaviest ops; overall the heaviest ops."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    model.eval()
+    model.timing = True
+    batches = [frames[i:i + batch] for i in range(0, len(frames) - batch + 1, batch)]
+
+    def run() -> None:
+        for fr in batches:
+            with record_function("load"):
+                b = (collate(fr, provider, model.grid) if provider is not None else collate_frames(fr)).to(device)
+            with record_function("voxelize"):
+                bev = model.voxelize(b).to(dtype)
+            out = model(b, bev)
+            with record_function("decode"):
+                out.heatmap, out.regression = out.heatmap.float(), out.regression.float()
+                model.decode(out)
+
+    run()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    n = sum(len(fr) for fr in batches)
+    named = lambda e: e.name in REGIONS or e.name.startswith("backbone/")  # noqa: E731
+    regions: dict[str, float] = {}
+    ops: dict[str, float] = {}
+    per: dict[tuple[str, str], float] = {}
+    calls: dict[str, int] = {}
+    for e in prof.events():
+        if named(e):
+            continue
+        p = e.cpu_parent
+        while p is not None and not named(p):
+            p = p.cpu_parent
+        where = "other" if p is None else p.name
+        ms = e.self_cpu_time_total / 1000 / n
+        regions[where] = regions.get(where, 0.0) + ms
+        ops[e.name] = ops.get(e.name, 0.0) + ms
+        calls[e.name] = calls.get(e.name, 0) + 1
+        per[where, e.name] = per.get((where, e.name), 0.0) + ms
+    top = lambda d, k: sorted(d.items(), key=lambda kv: -kv[1])[:k]  # noqa: E731
+    return {"ms_per_frame": sum(regions.values()), "regions": dict(top(regions, 50)),
+            "ops": [{"op": o, "ms": round(v, 3), "calls_per_frame": round(calls[o] / n, 1)} for o, v in top(ops, 25)],
+            "region_ops": {r: [{"op": o, "ms": round(v, 3)} for (rr, o), v in top(per, 10 ** 6) if rr == r][:6]
+                           for r in regions}}
+
+
+def profile_markdown(meta: dict, profiles: list[dict]) -> str:
+    lines = ["# Where a frame's milliseconds go (torch.profiler, CPU)", "",
+             f"`{meta['command']}` — {meta['machine']}, torch {meta['torch']}, {meta['threads']} threads, allocator "
+             f"{meta['env']}. One pass over the frames after a warm-up pass; each op's own time (self CPU, the "
+             "calling thread's wall time) given to the region of the forward it ran in. The profiler's own overhead "
+             "is in these figures (the timed rows are in model_cpu.md).", ""]
+    for p in profiles:
+        lines += [f"## mask={p['mask']}, batch {p['batch']}: {p['ms_per_frame']:.1f} ms/frame profiled", "",
+                  "| region | ms/frame | share | heaviest ops (ms/frame) |", "|---|---|---|---|"]
+        for r, v in p["regions"].items():
+            heavy = ", ".join(f"{o['op']} {o['ms']:.2f}" for o in p["region_ops"][r])
+            lines.append(f"| {r} | {v:.2f} | {100 * v / p['ms_per_frame']:.0f}% | {heavy} |")
+        lines += ["", "| op | ms/frame | calls/frame |", "|---|---|---|"]
+        lines += [f"| {o['op']} | {o['ms']:.2f} | {o['calls_per_frame']:.1f} |" for o in p["ops"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv, {"quick": False, "bev": "kitti", "arch": "pixor", "batches": "1,4", "frames": 8,
                              "reps": 3, "masks": "none,road_map,predicted,ground", "block_size": "16",
                              "mask_train_steps": 1500, "root": "data/sim_kitti", "head_block_size": "16",
                              "out": "benchmarks/model_cpu.json", "device": "cpu", "dtype": "float32",
-                             "ckpt_path": ""}, USAGE)
+                             "ckpt_path": "", "profile": False}, USAGE)
     if args["dtype"] not in ("float32", "bfloat16", "float16"):
         raise SystemExit(f"error: dtype={args['dtype']}: expected float32, bfloat16 or float16")
     device, dtype = torch.device(args["device"]), getattr(torch, args["dtype"])
@@ -184,7 +259,7 @@ def main(argv=None) -> int:
     print(f"bench_model: bev={args['bev']} ({grid.H}x{grid.W}x{grid.C}) arch={args['arch']} "
           f"frames={len(frames)} threads={torch.get_num_threads()} "
           f"allocator {allocator_env()}")
-    rows = []
+    rows, profiles = [], []
     dense_ms = {}
     base_state = None
     for mask in ["none"] + [m for m in masks if m != "none"]:
@@ -218,6 +293,9 @@ def main(argv=None) -> int:
                    "mac_ratio": round(r["mac_ratio"], 4), "mac_bound": round(r["mac_bound"], 4),
                    "stage_ms": {k: round(v, 2) for k, v in r["stage_ms"].items()}}
             rows.append(row)
+            if args["profile"]:
+                profiles.append({"mask": mask, "batch": b,
+                                 **profile_config(model, provider, fr, b, device, dtype)})
             sh = " ".join(f"{k} {100 * v:.0f}%" for k, v in row["shares"].items())
             print(f"  mask={mask:<9} batch={b}  {row['ms_per_frame']:8.1f} ms/frame  sparsity {row['sparsity']:.3f}  "
                   f"speedup {row['speedup_vs_dense']:.2f}x   [{sh}]  tiles {list(row['tiles'].values())}  "
@@ -254,4 +332,9 @@ def main(argv=None) -> int:
             f"{meta['machine']}, torch {meta['torch']}, {meta['threads']} threads, load {meta['load_avg']}, "
             f"allocator {meta['env']}.\n\n" + "\n".join(md) + "\n")
         print(f"wrote {out} and {out.with_suffix('.md')}")
+        if profiles:
+            prof = out.with_name(out.stem + "_profile")
+            prof.with_suffix(".json").write_text(json.dumps({"meta": meta, "profiles": profiles}, indent=1))
+            prof.with_suffix(".md").write_text(profile_markdown(meta, profiles))
+            print(f"wrote {prof.with_suffix('.json')} and {prof.with_suffix('.md')}")
     return 0

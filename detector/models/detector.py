@@ -37,7 +37,15 @@ from detector.models.mask_net import MaskNet
 from detector.models.mask_quality import class_boxes
 from detector.models.mask_schedule import MaskSchedule
 from detector.models.targets import BoxCoder
-from detector.nn.capacity import StageCapacity, chain_list, decide_lists, forward_capacity, rerun_warning, run_chain
+from detector.nn.capacity import (
+    StageCapacity,
+    chain_list,
+    decide_lists,
+    forward_capacity,
+    region,
+    rerun_warning,
+    run_chain,
+)
 from detector.nn.capture import capture_training
 from detector.nn.chain import SparseConvChain
 from detector.nn.graphs import GraphCache
@@ -236,9 +244,11 @@ class BevDetector(nn.Module):
         times: dict[str, float] = {}
         t = self._tick(times, "start", time.perf_counter())
         if bev is None:
-            bev = self.voxelize(batch)
+            with region("voxelize", self.timing):
+                bev = self.voxelize(batch)
         t = self._tick(times, "voxelize", t)
-        mask, mask_logits = self.computation_mask(batch, bev, step)
+        with region("mask", self.timing):
+            mask, mask_logits = self.computation_mask(batch, bev, step)
         t = self._tick(times, "mask", t)
         plan = None
         inference = not (self.training or torch.is_grad_enabled())
@@ -250,7 +260,10 @@ class BevDetector(nn.Module):
         elif mask is None:
             feats = self.backbone(bev, mask, times=times if self.timing else None)
             t = self._tick(times, "backbone", t)
-            heat, reg = self.head(self.neck(feats))
+            with region("neck", self.timing):
+                top = self.neck(feats)
+            with region("head", self.timing):
+                heat, reg = self.head(top)
             self._tick(times, "head", t)
         else:
             level_masks = masks_at_strides(mask, self.neck.strides)
@@ -331,7 +344,10 @@ class BevDetector(nn.Module):
             overflow = overflow | bl.overflow
             counts.append([bl.count])
             lists.append(bl)
-        heat, reg = self.head(self.neck(feats, level_masks, lists[:-1]), level_masks[0], lists[-1])
+        with region("neck", times is not None):
+            top = self.neck(feats, level_masks, lists[:-1])
+        with region("head", times is not None):
+            heat, reg = self.head(top, level_masks[0], lists[-1])
         if times is not None:
             self._tick(times, "head", t)
         return heat, reg, overflow, counts
@@ -344,7 +360,8 @@ class BevDetector(nn.Module):
         counts, a training step (whose batch norm has updated its running statistics) stops with an error."""
         times = {} if times is None else times
         t = time.perf_counter() if self.timing else 0.0
-        modes, caps, plan = self.capacity_plan(tuple(bev.shape), mask, level_masks)
+        with region("plan", self.timing):
+            modes, caps, plan = self.capacity_plan(tuple(bev.shape), mask, level_masks)
         t = self._tick(times, "plan", t)
         if fused_backend(bev.device, bev.dtype) == "triton":  # the kernels on this network: once, compared
             whole_check(bev.device, bev.dtype, lambda: self._inference_maps(bev, mask, level_masks, modes, caps))
@@ -368,7 +385,8 @@ class BevDetector(nn.Module):
             modes, new_caps, _ = self.capacity_plan(tuple(bev.shape), mask, level_masks, modes)
             rerun_warning(counts, caps, new_caps)
             heat, reg, _, _ = self.capacity_maps(bev, mask, level_masks, modes, new_caps)
-        self._tick(times, "network", t)
+        if "backbone" not in times:  # a captured graph: backbone, neck and head as one (eager: timed each)
+            self._tick(times, "network", t)
         if bev.is_cuda and not torch.is_grad_enabled():  # a replay's outputs are the graph's own: the next overwrites
             heat, reg = heat.clone(), reg.clone()
         return heat, reg, plan

@@ -39,7 +39,7 @@ from detector.ops.capacity import BlockList, uses_buckets
 from .chain import SparseConvChain, chain_capacity, chain_list
 from .plan import AUTO, DENSE, Plan, StageInput, list_rows, settle
 
-__all__ = ["chain_capacity", "stage_capacity", "plan_capacities", "forward_capacity", "run_checked",
+__all__ = ["chain_capacity", "region", "stage_capacity", "plan_capacities", "forward_capacity", "run_checked",
            "StageCapacity", "capacities", "decide_lists", "chain_list", "run_chain", "rerun_warning"]
 
 log = logging.getLogger(__name__)
@@ -94,11 +94,12 @@ def forward_capacity(net: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor, 
     feats, counts = [], []
     for i, stage in enumerate(net.stages):
         t0 = _now(x) if times is not None else 0.0
-        if net.training and torch.is_grad_enabled() and net.stage_names[i] in net.checkpoint_stages:
-            x, mask, ovf, cnt = checkpoint(_stage, stage, x, mask, modes[i], caps[i], use_reentrant=False,
-                                           context_fn=lambda st=stage: (nullcontext(), _statistics_kept(st)))
-        else:
-            x, mask, ovf, cnt = _stage(stage, x, mask, modes[i], caps[i])
+        with region(f"backbone/{net.stage_names[i]}", times is not None):
+            if net.training and torch.is_grad_enabled() and net.stage_names[i] in net.checkpoint_stages:
+                x, mask, ovf, cnt = checkpoint(_stage, stage, x, mask, modes[i], caps[i], use_reentrant=False,
+                                               context_fn=lambda st=stage: (nullcontext(), _statistics_kept(st)))
+            else:
+                x, mask, ovf, cnt = _stage(stage, x, mask, modes[i], caps[i])
         overflow = overflow | ovf
         counts.append(cnt)
         if i > 0:
@@ -107,6 +108,11 @@ def forward_capacity(net: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor, 
             key = f"backbone/{net.stage_names[i]}"
             times[key] = times.get(key, 0.0) + _now(x) - t0
     return feats, overflow, counts
+
+
+def region(name: str, on: bool):  # noqa: ANN201
+    """A named region of the forward in a ``torch.profiler`` trace (where timing is on; otherwise nothing)."""
+    return torch.profiler.record_function(name) if on else nullcontext()
 
 
 def _stage(stage: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor | None, mode: int | str,
