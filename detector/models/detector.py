@@ -47,11 +47,11 @@ from detector.nn.capacity import (
     run_chain,
 )
 from detector.nn.capture import capture_training
-from detector.nn.chain import SparseConvChain
+from detector.nn.chain import SparseConvChain, conv_on_support
 from detector.nn.graphs import GraphCache
 from detector.nn.plan import AUTO, DENSE, Plan, StageInput, check_setting, measure
 from detector.nn.resnet import SparseResNet, downsample_mask
-from detector.ops.capacity import BlockList
+from detector.ops.capacity import BlockList, uses_buckets
 from detector.ops.fused import fused_backend, whole_check
 
 
@@ -91,7 +91,11 @@ class TopDownNeck(nn.Module):
         (:func:`~detector.nn.capacity.run_chain`; None: sparse at the chain's tile)."""
         x = None
         for j in reversed(range(len(self.use))):
-            lat = self.lateral[j](feats[self.use[j]])
+            f, lateral = feats[self.use[j]], self.lateral[j]
+            if masks is None or uses_buckets(f.device):  # no mask, or a GPU's captured graph: the whole map
+                lat = lateral(f)
+            else:  # a sparse stage's output is zero outside its mask: the 1x1 convolution there, the bias elsewhere
+                lat = conv_on_support(f, lateral.weight, lateral.bias, masks[j], self.smooth[j].block_size)
             if x is not None:
                 x = F.interpolate(x, size=lat.shape[-2:], mode="nearest")
                 lat = lat + x

@@ -6,11 +6,13 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from detector.models.targets import REG_CHANNELS
 from detector.nn.capacity import run_chain
-from detector.nn.chain import SparseConvChain
+from detector.nn.chain import SparseConvChain, conv_on_support
+from detector.ops.capacity import uses_buckets
 
 
 class DetectionHead(nn.Module):
@@ -48,4 +50,11 @@ class DetectionHead(nn.Module):
         """[B, C, h, w] (+ mask [B, 1, h, w]; ``mode``: how the tower runs, :func:`~detector.nn.capacity.run_chain`)
         -> (heatmap logits [B, K, h, w], regression [B, 8, h, w])."""
         x = run_chain(self.tower, x, mask, mode)
-        return self.heatmap(x), self.regression(x)
+        k = self.heatmap.out_channels
+        w = torch.cat([self.heatmap.weight, self.regression.weight])  # both in one convolution
+        b = torch.cat([self.heatmap.bias, self.regression.bias])
+        if mask is None or uses_buckets(x.device):  # no mask, or a GPU's captured graph: the whole map
+            y = F.conv2d(x, w, b, padding=self.heatmap.padding)
+        else:  # the tower's output is zero outside its mask: convolved where it reaches, the bias elsewhere
+            y = conv_on_support(x, w, b, mask, self.tower.block_size)
+        return y[:, :k], y[:, k:]

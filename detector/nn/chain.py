@@ -94,7 +94,8 @@ from .norm import (
     uses_batch_stats,
 )
 
-__all__ = ["Shortcut", "SparseConvChain", "zeros_in_layout", "chain_list", "chain_capacity", "region_weights"]
+__all__ = ["Shortcut", "SparseConvChain", "zeros_in_layout", "chain_list", "chain_capacity", "region_weights",
+           "conv_on_support"]
 
 Shortcut = Literal["identity", "projection", "none"]
 
@@ -538,3 +539,27 @@ def chain_list(chain: SparseConvChain, mask: torch.Tensor, tile: int | tuple[int
         idx = reduce_mask(m_out, geo.select, tol=0.5)
         return BlockList(indices=idx, count=(idx[:, 0] >= 0).sum(), block=geo.block, mask=m_out)
     return replace(reduce_mask_capacity(m_out, geo.select, int(capacity)), block=geo.block, mask=m_out)
+
+
+def conv_on_support(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, support: torch.Tensor,
+                    tile: int = 16) -> torch.Tensor:
+    """``F.conv2d(x, weight, bias, padding=k // 2)`` (stride 1, odd ``k``) of a map ``x`` that is zero outside
+    ``support`` (``[N, 1, H, W]``, set where > 0.5: a sparse unit's output and its mask), the same values computed
+    where they can differ from the bias: on the output tiles the support reaches (the kernel's radius around it),
+    gathered with the kernel's halo, and the bias elsewhere. Differentiable; under ``torch.export`` the tiles' count is
+    a dynamic dimension, as for :func:`chain_list`."""
+    k = int(weight.shape[-1])
+    if k % 2 != 1 or int(weight.shape[-2]) != k:
+        raise ValueError(f"conv_on_support: a square kernel of odd size, got {tuple(weight.shape[-2:])}")
+    N, (H, W), r = x.shape[0], (int(x.shape[2]), int(x.shape[3])), k // 2
+    geo = chain_geometry(H, W, (ConvSpec(k, 1, r),), (tile, tile))
+    reach = F.max_pool2d(support, k, 1, r) if r else support
+    idx = reduce_mask(reach.to(x.dtype), geo.select, tol=0.5)
+    blist = BlockList(indices=idx, count=(idx[:, 0] >= 0).sum(), block=geo.block)
+    lv = geo.levels[0]
+    tiles = conv_blocks(x, blist, weight, bias, origin=(lv.region, lv.offset), extent=lv.extent)
+    # the output in the convolution's dtype (under autocast not x's)
+    out = torch.empty((N, int(weight.shape[0]), H, W), dtype=tiles.dtype, device=x.device,
+                      memory_format=memory_format_of(x) or torch.contiguous_format)
+    out.copy_(bias.to(tiles.dtype).view(1, -1, 1, 1).expand_as(out))
+    return scatter_padded(tiles, blist, out, add=False, relu=False, inplace=True)
