@@ -24,6 +24,7 @@ CUDA ``torch.cuda.max_memory_allocated``.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -149,7 +150,7 @@ def _chain_bytes(c: _Chain, N: int, f: int, train: bool) -> tuple[int, int, int,
     src = 0 if c.first else maps[0]
     if not train:  # inference frees as it goes: each convolution's input, output and its level's zeroing, then the
         # last convolution's input and output tiles, the scatter's tensors and the output map
-        convs = max(a + 2 * b for a, b in zip(blocks, blocks[1:]))
+        convs = max(a + 2 * b for a, b in itertools.pairwise(blocks))
         return 0, src + max(convs + proj, blocks[-2] + blocks[-1] + proj + scatter + new_map), out_map, 0
     return saved, src + blocks[0] + 2 * max(blocks[1:]) + proj + scatter + new_map, out_map, max(blocks[1:])
 

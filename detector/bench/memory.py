@@ -158,7 +158,7 @@ def auto_rows(bev: str, args: dict) -> list[dict]:
         cfg, grid, model = setup(bev, args["root"], dense, mask=mask)
         trials: list[dict] = []
         t0 = time.perf_counter()
-        b = find_batch_size(lambda n: build_datamodule(cfg.data, cfg.mask, grid, not dense, n), model,
+        b = find_batch_size(lambda n, c=cfg, g=grid, d=dense: build_datamodule(c.data, c.mask, g, not d, n), model,
                             budget_mb=float(args["auto_budget_mb"]), trials=trials)
         last = trials[-1]
         row = {"bev": bev, "model": label, "budget_mb": float(args["auto_budget_mb"]), "batch": b,

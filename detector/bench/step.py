@@ -1,14 +1,14 @@
-"""Milliseconds of one training step of a configuration, on one fixed batch: what a step costs with your overrides,
-or - run from two checkouts in turn (``PYTHONPATH=<tree>``) - whether a change made the step slower.
+"""Milliseconds of one training step of a configuration, on one fixed batch: what a step costs with your
+overrides, or - run from two checkouts in turn (``PYTHONPATH=<tree>``) - whether a change made the step slower.
 
     python scripts/bench_step.py [steps=12] [warmup=3] [out=PATH.json] [Hydra overrides of scripts/train.py ...]
 
-Run as ``PYTHONPATH=<tree> python <this file>`` it times that tree's package with that tree's configs (the
-detector package imported decides both). The training config (``configs/train.yaml`` with the overrides: by default make train's, bev=small, mask=predicted,
-block_size=auto) on its first training batch (augmented as in training), AdamW: ``warmup`` steps, then ``steps``
-timed ones (forward, loss, backward, optimizer step), the mask schedule past its warm-up (the predicted mask). Prints
-the median, min and max ms per step; ``out``: appends them as one JSON line (with the tree, the CPU, the threads and
-the allocator settings).
+Run as ``PYTHONPATH=<tree> python <this file>`` it times that tree's package with that tree's configs (the detector
+package imported decides both). The training config (``configs/train.yaml`` with the overrides: by default make
+train's, bev=small, mask=predicted, block_size=auto) on its first training batch (augmented as in training), AdamW:
+``warmup`` steps, then ``steps`` timed ones (forward, loss, backward, optimizer step), the mask schedule past its
+warm-up (the predicted mask). Prints the median, min and max ms per step; ``out``: appends them as one JSON line
+(with the tree, the CPU, the threads and the allocator settings).
 """
 
 from __future__ import annotations

@@ -83,9 +83,10 @@ def forward_capacity(net: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor, 
     overflow flag, each stage's true counts as device tensors). With capacities no host read; compiles with
     ``fullgraph=True``. ``times``: if given, each stage's wall seconds are added to it under ``backbone/<stage>``
     (synchronizing on CUDA). ``keep``: the features returned (indices into them; None: all) - the others are None,
-    freed once the next stage has read them (a sparse stage keeps no map of its input). A stage named in ``net.checkpoint_stages`` keeps, in a training step, only its input
-    for the backward and runs its forward again there (``torch.utils.checkpoint``, non-reentrant): the same values
-    and gradients, its activations alive only while its own backward runs."""
+    freed once the next stage has read them (a sparse stage keeps no map of its input). A stage named in
+    ``net.checkpoint_stages`` keeps, in a training step, only its input for the backward and runs its forward again
+    there (``torch.utils.checkpoint``, non-reentrant): the same values and gradients, its activations alive only
+    while its own backward runs."""
     modes = _check_modes(net, modes)
     mask = None if mask is None else mask.to(x.dtype)  # None: the dense network (every mode 'dense')
     if net.channels_last:

@@ -267,7 +267,8 @@ def _conv_grads(g: torch.Tensor, src: torch.Tensor, weight: torch.Tensor, blist:
     gradient, each only where needed."""
     dwin = dw = db = None
     if need_w:
-        dw = triton_blocks.block_conv_wgrad(src, blist.count, g, tuple(weight.shape[2:]), stride=stride).to(weight.dtype)
+        dw = triton_blocks.block_conv_wgrad(src, blist.count, g, tuple(weight.shape[2:]), stride=stride)
+        dw = dw.to(weight.dtype)
     if need_b:
         db = g.sum((0, 2, 3), dtype=torch.promote_types(g.dtype, torch.float32))
     if need_src:

@@ -395,10 +395,11 @@ def block_conv_dgrad(grad: torch.Tensor, count: torch.Tensor, weight: torch.Tens
 
 def block_conv_wgrad(src: torch.Tensor, count: torch.Tensor, grad: torch.Tensor, kernel: tuple[int, int], *,
                      stride: int, splits: int = 32) -> torch.Tensor:
-    """The gradient of :func:`block_conv`'s weight, ``[CO, CI, KH, KW]`` in float32 (float64 for float64 data):
-    the sum over the list's active rows and output pixels of the source blocks ``src [capacity, CI, e_h, e_w]``
-    (a map source's gathered windows) times ``grad [capacity, CO, OH, OW]``. The rows are cut into ``splits`` runs, each summed by its own programs into a partial; the partials are
-    then added by one reduction: no atomics, so the result does not depend on scheduling (deterministic)."""
+    """The gradient of :func:`block_conv`'s weight, ``[CO, CI, KH, KW]`` in float32 (float64 for float64 data): the sum
+    over the list's active rows and output pixels of the source blocks ``src [capacity, CI, e_h, e_w]`` (a map
+    source's gathered windows) times ``grad [capacity, CO, OH, OW]``. The rows are cut into ``splits`` runs, each
+    summed by its own programs into a partial; the partials are then added by one reduction: no atomics, so the
+    result does not depend on scheduling (deterministic)."""
     cap, co, oh, ow = (int(v) for v in grad.shape)
     ci = int(src.shape[1])
     kh, kw = kernel
