@@ -49,6 +49,7 @@ def probe_shares(model: BevDetector, make_dm: Callable[[int], KittiDataModule], 
 
     if not model.use_data_mask:
         return None
+    frames = max(1, min(frames, len(make_dm(1).dataset("train"))))  # a batch the split holds (drop_last)
     batch = next(iter(make_dm(frames).train_dataloader()))
     state = {k: v.clone() for k, v in model.state_dict().items()}
     was = model.training
@@ -86,7 +87,7 @@ def find_batch_size(
             log.warning("batch_size=auto: cannot read the free memory on this system (%s); using 1", e)
             return 1
         source = f"{fraction:.0%} of the free memory"
-    shares = probe_shares(model, make_dm, min(4, n_train))
+    shares = probe_shares(model, make_dm)
     model.to(device)
     try:
         b = max(1, min(largest_fitting(model, shares, budget, max_batch), n_train))

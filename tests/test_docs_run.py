@@ -92,6 +92,8 @@ RUNS: dict[str, Run | ParseOnly] = {
     "scripts/train.py bev=kitti data.batch_size=8": train(set={"data.batch_size": "4"},
                                                          why="the tiny root has 5 training frames"),
     "scripts/train.py data.batch_size=auto": train(),
+    "scripts/train.py data.batch_size=auto data.memory_budget_mb=8000": train(),
+    "scripts/train.py model.checkpoint_stages=[stem,stage1]": train(),
     "scripts/train.py experiment=multiclass": train(),
     "scripts/train.py experiment=kitti_full data.root=/data/kitti": ParseOnly(
         "trainer=gpu (a CUDA device) and PIXOR's full network and grid: composed only"),
@@ -237,6 +239,9 @@ RUNS: dict[str, Run | ParseOnly] = {
     "scripts/bench_export.py bevs=small,kitti backends=eager,compile,pt2,onnx block_size=16": Run(
         same_as="scripts/bench_export.py frames=2 reps=3 block_size=16", slow=EXPORTS,
         why="bev=small only: then the README's line with its default backends spelled out"),
+    "scripts/bench_step.py bev=kitti data.batch_size=2": Run(
+        set={"bev": "small", "data.batch_size": "1"}, extra=(*TINY, "steps=1", "warmup=1"),
+        why="the tests' tiny grid and network, one timed step"),
     "scripts/bench_memory.py bevs=small,kitti batches=1,2,4,8,16 sparsities=dense,0.5,0.7,0.9": Run(
         set={"bevs": "small", "batches": "1", "sparsities": "0.9"}, extra=("out=outputs/memory",)),
 }

@@ -552,13 +552,15 @@ def conv_on_support(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, s
     if k % 2 != 1 or int(weight.shape[-2]) != k:
         raise ValueError(f"conv_on_support: a square kernel of odd size, got {tuple(weight.shape[-2:])}")
     N, (H, W), r = x.shape[0], (int(x.shape[2]), int(x.shape[3])), k // 2
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):  # as F.conv2d under autocast: in the autocast dtype
+        x = x.to(torch.get_autocast_dtype(dev))
     geo = chain_geometry(H, W, (ConvSpec(k, 1, r),), (tile, tile))
     reach = F.max_pool2d(support, k, 1, r) if r else support
     idx = reduce_mask(reach.to(x.dtype), geo.select, tol=0.5)
     blist = BlockList(indices=idx, count=(idx[:, 0] >= 0).sum(), block=geo.block)
     lv = geo.levels[0]
     tiles = conv_blocks(x, blist, weight, bias, origin=(lv.region, lv.offset), extent=lv.extent)
-    # the output in the convolution's dtype (under autocast not x's)
     out = torch.empty((N, int(weight.shape[0]), H, W), dtype=tiles.dtype, device=x.device,
                       memory_format=memory_format_of(x) or torch.contiguous_format)
     out.copy_(bias.to(tiles.dtype).view(1, -1, 1, 1).expand_as(out))
