@@ -155,13 +155,28 @@ def _chain_bytes(c: _Chain, N: int, f: int, train: bool) -> tuple[int, int, int,
     return saved, src + blocks[0] + 2 * max(blocks[1:]) + proj + scatter + new_map, out_map, max(blocks[1:])
 
 
+def _folded_bytes(model: BevDetector) -> int:
+    """Inference keeps each convolution's weight with its batch norm folded in (:func:`~detector.nn.norm.fold`):
+    a second copy of those weights."""
+    total = 0
+    for c in model.modules():
+        if isinstance(c, SparseConvChain):
+            folded = list(c.convs) if not c.preact else list(c.convs)[:-1]
+            if c.shortcut == "projection" and c.proj_bn is not None:
+                folded.append(c.proj)
+            total += sum(m.weight.numel() * m.weight.element_size() for m in folded)
+    return total
+
+
 def _mask_net_bytes(model: BevDetector, N: int, f: int, train: bool) -> tuple[int, int]:
     """(alive at the peak, working set) of the mask network ((0, 0) without one), at its 1/d resolution: the
     logits (the detector's output keeps them); in training also what its backward needs - its max-pooled
     input, per conv-BN-ReLU the conv output (BN keeps it) and the ReLU output (the next conv keeps it) - and
     the loss's maps of the logits' size. The full-resolution maps it makes (its upsampled mask, the object
     mask, their union) are freed by the end of the forward but the computation mask, counted with the BEV
-    tensor. Inference: its working set is its pooled input and two maps of its widest conv."""
+    tensor. Inference: its working set is the larger of its pooling's (the input reduced over rows only, ``d`` times
+    the pooled input, beside the pooled input: :func:`~detector.nn.geometry.pool_max`) and its convolutions' (the
+    pooled input and two maps of its widest conv)."""
     net = model.mask_net
     if net is None:
         return 0, 0
@@ -169,7 +184,8 @@ def _mask_net_bytes(model: BevDetector, N: int, f: int, train: bool) -> tuple[in
     px = N * (-(-H // d)) * (-(-W // d)) * f
     convs = [m for m in net.net if isinstance(m, torch.nn.Conv2d)]
     if not train:
-        return px, px * (model.grid.C + 2 * max(c.out_channels for c in convs))
+        C = model.grid.C
+        return px, px * max((d + 1) * C if d > 1 else 0, C + 2 * max(c.out_channels for c in convs))
     return px * (model.grid.C + sum(2 * c.out_channels for c in convs[:-1]) + 4), 0
 
 
@@ -240,7 +256,8 @@ def estimate(model: BevDetector, batch: int, shares: Sequence[float] | float | N
     if net_alive:
         per_stage["mask_net"] = net_alive if train else net_work
     if not train:
-        return MemoryEstimate(N, "infer", P, 0, 0, bev + net_alive, max(work_max, net_work), per_stage)
+        return MemoryEstimate(N, "infer", P + _folded_bytes(model), 0, 0, bev + net_alive, max(work_max, net_work),
+                              per_stage)
     extra = net_alive + neck_maps + head_out * 3  # the neck's sums (smoothing inputs), head outputs and loss terms
     if not dense:
         extra += kept + N * neck_c * h0 * w0 * f  # sparse: the stage outputs and the tower output kept for backward

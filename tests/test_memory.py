@@ -15,6 +15,7 @@ from detector.bench import estimate_memory
 from detector.bench import memory as bench_memory
 from detector.build import build_grid, build_model
 from detector.memory import MB, estimate, measure_peak, stage_shares, tensor_bytes
+from detector.nn import norm
 from detector.tasks import build_datamodule
 from tests.paths import REPO
 
@@ -48,12 +49,20 @@ def _batch(cfg, grid, b: int, share: float | None):
     return dataclasses.replace(batch, mask=mask)
 
 
+def _fresh(batch):
+    """The batch with a mask tensor of its own, as every batch a loader gives: what the model derives from a mask
+    (its binary form, its strided copies) is made once per mask tensor, and the warm-up's must not be reused."""
+    return batch if batch.mask is None else dataclasses.replace(batch, mask=batch.mask.clone())
+
+
 def _measure(model, batch, train: bool) -> float:
     if not train:
         model.eval()
         with torch.no_grad():
-            model(batch)
-            base = tensor_bytes([*model.parameters(), *model.buffers(), batch.points, batch.mask])
+            model(_fresh(batch))
+            batch = _fresh(batch)
+            folded = [t for m in model.modules() if m in norm._FOLDED for t in norm._FOLDED[m][1]]  # folded weights
+            base = tensor_bytes([*model.parameters(), *model.buffers(), *folded, batch.points, batch.mask])
             return (base + measure_peak(lambda: model(batch), torch.device("cpu"))) / MB
     model.train()
     opt = torch.optim.Adam(model.parameters())
@@ -65,6 +74,7 @@ def _measure(model, batch, train: bool) -> float:
         opt.zero_grad(set_to_none=True)
 
     step()
+    batch = _fresh(batch)
     state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
     base = tensor_bytes([*model.parameters(), *model.buffers(), *state, batch.points, batch.mask])
     return (base + measure_peak(step, torch.device("cpu"))) / MB

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from detector.nn.geometry import pool_max
+
 
 class MaskNet(nn.Module):
     """BEV [B, C, H, W] --max-pool by ``downsample``--> ``num_convs`` 3x3 convs --> logits [B, 1, H/d, W/d].
@@ -46,7 +48,7 @@ class MaskNet(nn.Module):
         nn.init.constant_(self.net[-1].bias, -2.0)
 
     def forward(self, bev: torch.Tensor) -> torch.Tensor:
-        x = F.max_pool2d(bev, self.downsample) if self.downsample > 1 else bev
+        x = pool_max(bev, self.downsample, ceil_mode=False)
         return self.net(x)
 
     def computation_mask(self, logits: torch.Tensor, size: tuple[int, int], threshold: float | None = None

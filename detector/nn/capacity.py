@@ -37,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 from detector.ops.capacity import BlockList, uses_buckets
 
 from .chain import SparseConvChain, chain_capacity, chain_list
+from .geometry import binary_mask
 from .plan import AUTO, DENSE, Plan, StageInput, list_rows, settle
 
 __all__ = ["chain_capacity", "region", "stage_capacity", "plan_capacities", "forward_capacity", "run_checked",
@@ -88,7 +89,8 @@ def forward_capacity(net: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor, 
     there (``torch.utils.checkpoint``, non-reentrant): the same values and gradients, its activations alive only
     while its own backward runs."""
     modes = _check_modes(net, modes)
-    mask = None if mask is None else mask.to(x.dtype)  # None: the dense network (every mode 'dense')
+    # None: the dense network (every mode 'dense'); else made binary once, at the units' common tol
+    mask = None if mask is None else binary_mask(mask.to(x.dtype), net.tol)
     if net.channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     overflow = torch.zeros((), dtype=torch.bool, device=x.device)

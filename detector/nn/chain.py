@@ -76,6 +76,7 @@ from .geometry import (
     ConvSpec,
     Level,
     LevelMasks,
+    binary_mask,
     chain_geometry,
     level_masks,
     mask_at_stride,
@@ -83,6 +84,7 @@ from .geometry import (
 )
 from .norm import (
     blocks_batch_norm,
+    fold,
     list_batch_norm,
     list_moments,
     needs_sync,
@@ -222,8 +224,7 @@ class SparseConvChain(nn.Module):
 
     def binary(self, mask: torch.Tensor) -> torch.Tensor:
         """``mask`` made the unit's binary mask: 1 where it exceeds ``tol``, else 0 (float)."""
-        dtype = mask.dtype if mask.is_floating_point() else torch.float32
-        return (mask > self.tol).to(dtype)
+        return binary_mask(mask, self.tol)
 
     def active_blocks(self, mask: torch.Tensor, capacity: int | None = None) -> BlockList:
         """The block list of ``mask [N, 1, H, W]`` (input resolution) at the chain's block size
@@ -247,8 +248,8 @@ class SparseConvChain(nn.Module):
         stride = conv.stride if stride is None else stride
         if uses_batch_stats(bn):
             return self._norm_dense(bn, F.conv2d(a, conv.weight, conv.bias, stride, conv.padding), m)
-        s, t = running_scale_shift(bn)
-        return F.conv2d(a, conv.weight * s.view(-1, 1, 1, 1), t, stride, conv.padding)
+        w, t = fold(conv.weight, bn)
+        return F.conv2d(a, w, t, stride, conv.padding)
 
     @staticmethod
     def _norm_dense(bn: nn.BatchNorm2d, z: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
@@ -364,10 +365,7 @@ class _ListNorm:
         """Weight and bias of conv ``i`` with its output's BN (running statistics) folded in (none on a
         pre-activation unit's last conv)."""
         w, j = self.chain.convs[i].weight, _out_slot(self.chain, i)
-        if j is None:
-            return w, None
-        s, t = running_scale_shift(self.slots[j])
-        return w * s.view(-1, 1, 1, 1), t
+        return (w, None) if j is None else fold(w, self.slots[j])
 
     def inside(self, level: Level) -> torch.Tensor:
         """bool ``[capacity, 1, e_h, e_w]``: the block pixels of ``level`` inside its map (made once per level)."""
@@ -514,8 +512,7 @@ def _projection(chain: SparseConvChain, norm: _ListNorm, x: torch.Tensor, a0: to
     js = len(chain.bns) if chain.proj_bn is not None else None
     pw, pb = chain.proj.weight, None
     if js is not None and not norm.batch(js):
-        s, t = running_scale_shift(chain.proj_bn)
-        pw, pb = pw * s.view(-1, 1, 1, 1), t
+        pw, pb = fold(pw, chain.proj_bn)
     if a0 is not None:  # the pre-activation's blocks: the tile's pixels at stride S
         (ph, pw0) = geo.levels[0].offset
         r = conv_blocks(a0[:, :, ph : ph + S * T[0] : S, pw0 : pw0 + S * T[1] : S], blist, pw, pb)

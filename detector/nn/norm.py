@@ -14,6 +14,7 @@ cumulative ``1 / num_batches_tracked`` when ``momentum`` is None.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ __all__ = [
     "combine_moments",
     "scale_shift",
     "running_scale_shift",
+    "fold",
     "update_running_stats",
     "needs_sync",
     "sync_moments",
@@ -232,6 +234,29 @@ def scale_shift(
 def running_scale_shift(bn: nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scale, shift)`` of ``bn`` in eval mode (running statistics)."""
     return scale_shift(bn, bn.running_mean, bn.running_var)
+
+
+# without autograd, a convolution's weight with its batch norm folded in, per BN: (what it was made of, the pair)
+_FOLDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def fold(weight: torch.Tensor, bn: nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight * scale, shift)``: a convolution's ``weight`` ``[CO, CI, kh, kw]`` with ``bn`` (running statistics)
+    folded in. Without autograd made once per weight and statistics (their version counters): inference folds
+    every unit's layers once, not per batch."""
+    def make() -> tuple[torch.Tensor, torch.Tensor]:
+        s, t = running_scale_shift(bn)
+        return weight * s.view(-1, 1, 1, 1), t
+
+    if (torch.is_grad_enabled() or torch.compiler.is_compiling() or torch.compiler.is_exporting()
+            or torch.jit.is_tracing() or (weight.is_cuda and torch.cuda.is_current_stream_capturing())):
+        return make()
+    parts = (weight, bn.weight, bn.bias, bn.running_mean, bn.running_var)
+    key = tuple((p.data_ptr(), p._version, p.dtype, p.device) if p is not None else None for p in parts)
+    hit = _FOLDED.get(bn)
+    if hit is None or hit[0] != key:
+        hit = _FOLDED[bn] = (key, make())
+    return hit[1]
 
 
 def batch_norm_native(bn: nn.BatchNorm2d, z: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ from detector.errors import ConfigError
 
 from .capacity import forward_capacity, plan_capacities, stage_capacity
 from .chain import SparseConvChain
-from .geometry import mask_at_stride
+from .geometry import binary_mask, mask_at_stride
 from .plan import AUTO, DENSE, Planner, StageInput, check_setting, measure
 
 __all__ = ["SparseResidualUnit", "SparseStage", "SparseResNet", "AUTO", "DENSE", "downsample_mask"]
@@ -222,6 +222,7 @@ class SparseResNet(nn.Module):
         after stride 2); no cost model is needed when no stage is 'auto'."""
         settings = self.block_sizes if settings is None else settings
         N, (H, W) = x_shape[0], x_shape[-2:]
+        mask = binary_mask(mask, self.tol)  # as forward_capacity runs it: the same counts, the strided masks shared
         prune = self.planner.prune(mask.device, mask.dtype, self.training) if AUTO in settings else None
         out = []
         for name, stage, setting in zip(self.stage_names, self.stages, settings, strict=True):

@@ -38,7 +38,7 @@ from .formulas import ScatterInPlace, like_map, memory_format_of
 from .functional import _kernels_for, block_activity
 
 __all__ = ["BlockList", "reduce_mask_capacity", "capacity_buckets", "bucket_for", "uses_buckets", "scatter_padded",
-           "gather_tiles", "gather_windows", "level_valid"]
+           "gather_tiles", "gather_windows", "level_valid", "list_memo"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -151,17 +151,23 @@ def gather_tiles(t: torch.Tensor, indices: torch.Tensor, tile: tuple[int, int]) 
     return gather_windows(t, indices, tile, (tile, (0, 0)))
 
 
-# a list's kept tile pixels per tile size, made once: the units of a stage share their list
-_KEEP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# what is derived from a list alone (its kept tile pixels, its pixels inside a level's map), made once per list:
+# the units of a stage share their list
+_PER_LIST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def list_memo(blist: BlockList, key: tuple, make):  # noqa: ANN001, ANN201
+    """``make()`` remembered for ``blist`` (immutable) and ``key`` (made anew while compiling)."""
+    if torch.compiler.is_compiling():
+        return make()
+    made = _PER_LIST.setdefault(blist, {})
+    if key not in made:
+        made[key] = make()
+    return made[key]
 
 
 def _keep(blist: BlockList, tile: tuple[int, int]) -> torch.Tensor:
-    if torch.compiler.is_compiling():
-        return blist.keep(tile)
-    kept = _KEEP.setdefault(blist, {})
-    if tile not in kept:
-        kept[tile] = blist.keep(tile)
-    return kept[tile]
+    return list_memo(blist, ("keep", tile), lambda: blist.keep(tile))
 
 
 def _tile_params(bp: BlockParams, tile: tuple[int, int]) -> BlockParams:

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from . import triton_blocks
-from .capacity import BlockList, gather_tiles, gather_windows, level_valid, scatter_padded, uses_buckets
+from .capacity import BlockList, gather_tiles, gather_windows, level_valid, list_memo, scatter_padded, uses_buckets
 from .formulas import memory_format_of
 from .functional import _kernels_for
 
@@ -185,11 +185,18 @@ def _conv_blocks_torch(src, blist, weight, bias, stride, origin, extent, pre, re
     if relu:
         y = torch.relu_(y)  # a fresh convolution output: its backward does not read it
     if zero is not None:
-        inside = level_valid(idx, zero[0], zero[1], (int(y.shape[2]), int(y.shape[3])), zero[2])
-        # where lists hold their counts (off CUDA) the read is free: most have no pixel past the map, skip the pass
-        if uses_buckets(idx.device) or torch.compiler.is_compiling() or not bool(inside.all()):
+        size = (int(y.shape[2]), int(y.shape[3]))
+        inside, every = list_memo(blist, ("inside", zero, size), lambda: _inside(idx, zero, size))
+        if not every:
             y = y * inside.to(y.dtype)
     return y
+
+
+def _inside(idx: torch.Tensor, zero, size: tuple[int, int]) -> tuple[torch.Tensor, bool]:  # noqa: ANN001
+    """The list's block pixels inside the level's map, and whether that is all of them - where lists hold their
+    counts (off CUDA) the read is free and most have no pixel past the map (their pass is skipped)."""
+    inside = level_valid(idx, zero[0], zero[1], size, zero[2])
+    return inside, not (uses_buckets(idx.device) or torch.compiler.is_compiling()) and bool(inside.all())
 
 
 def _conv_scatter_torch(blocks, blist, weight, bias, out, tile, residual, relu, inplace, zeros):  # noqa: ANN001, ANN202
