@@ -252,6 +252,8 @@ def fold(weight: torch.Tensor, bn: nn.BatchNorm2d) -> tuple[torch.Tensor, torch.
             or torch.jit.is_tracing() or (weight.is_cuda and torch.cuda.is_current_stream_capturing())):
         return make()
     parts = (weight, bn.weight, bn.bias, bn.running_mean, bn.running_var)
+    if any(p is not None and p.is_inference() for p in parts):  # no version counter to see a change by
+        return make()
     key = tuple((p.data_ptr(), p._version, p.dtype, p.device) if p is not None else None for p in parts)
     hit = _FOLDED.get(bn)
     if hit is None or hit[0] != key:

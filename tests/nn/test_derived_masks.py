@@ -104,3 +104,19 @@ def test_a_derived_mask_changed_in_place_is_made_anew():
     s = mask_at_stride(m, 2)
     s.zero_()  # a caller writes into what it was handed
     assert mask_at_stride(m, 2).sum() == 1
+
+
+def test_under_inference_mode_as_lightning_validates():
+    """Tensors made under ``torch.inference_mode`` (Lightning's validation and prediction) track no version counter:
+    nothing is remembered for them, and the values are the same."""
+    conv, bn = _layer()
+    x = torch.randn(1, 3, 6, 6)
+    with torch.inference_mode():
+        m = torch.zeros(1, 1, 8, 8)
+        m[0, 0, 5, 2] = 0.9
+        b = binary_mask(m, 0.5)
+        assert b.sum() == 1 and mask_at_stride(b, 4).tolist() == [[[[0.0, 0.0], [1.0, 0.0]]]]
+        m[0, 0, 0, 0] = 1.0  # in place, unseen by any version counter: made anew, so seen
+        assert binary_mask(m, 0.5).sum() == 2 and mask_at_stride(m, 8).item() == 1.0
+        w, t = fold(conv.weight, bn)
+        torch.testing.assert_close(F.conv2d(x, w, t), bn(conv(x)), rtol=1e-5, atol=1e-5)
