@@ -97,10 +97,25 @@ class TopDownNeck(nn.Module):
             else:  # a sparse stage's output is zero outside its mask: the 1x1 convolution there, the bias elsewhere
                 lat = conv_on_support(f, lateral.weight, lateral.bias, masks[j], self.smooth[j].block_size)
             if x is not None:
-                x = F.interpolate(x, size=lat.shape[-2:], mode="nearest")
-                lat = lat + x
+                lat = add_upsampled(lat, x)
             x = run_chain(self.smooth[j], lat, None if masks is None else masks[j], None if modes is None else modes[j])
         return x
+
+
+def add_upsampled(lat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``lat + F.interpolate(x, size=lat.shape[-2:], mode="nearest")``; where ``lat`` is exactly twice ``x``'s size
+    and both share a layout (NCHW or channels-last), one broadcast add over ``lat`` seen as 2 x 2 cells: the
+    upsampled map is never made (a full-size map less to write and read). The result in ``lat``'s layout."""
+    N, C, H, W = lat.shape
+    h, w = x.shape[-2:]
+    if H == 2 * h and W == 2 * w:
+        if lat.is_contiguous() and x.is_contiguous():
+            return (lat.view(N, C, h, 2, w, 2) + x[:, :, :, None, :, None]).view(N, C, H, W)
+        cl = torch.channels_last
+        if lat.is_contiguous(memory_format=cl) and x.is_contiguous(memory_format=cl):
+            y = lat.permute(0, 2, 3, 1).view(N, h, 2, w, 2, C) + x.permute(0, 2, 3, 1)[:, :, None, :, None, :]
+            return y.view(N, H, W, C).permute(0, 3, 1, 2)
+    return lat + F.interpolate(x, size=(H, W), mode="nearest")
 
 
 class _ListNetwork(nn.Module):

@@ -90,8 +90,10 @@ def _untracked(t: torch.Tensor) -> bool:
     """Whether nothing may be remembered about ``t``: it has a gradient, it tracks no version counter (made under
     ``torch.inference_mode``: a change in place would go unseen), or the code is traced, compiled, exported, or
     captured into a CUDA graph (a remembered tensor would be a constant of the graph)."""
-    return (t.requires_grad or t.is_inference() or torch.compiler.is_compiling() or torch.compiler.is_exporting()
-            or torch.jit.is_tracing() or (t.is_cuda and torch.cuda.is_current_stream_capturing()))
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():  # first: nothing below is traced then
+        return True
+    return (t.requires_grad or t.is_inference() or torch.jit.is_tracing()
+            or (t.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
 def _memo(mask: torch.Tensor, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
