@@ -141,7 +141,7 @@ OLD_SPARSE = {
             "z_range": [-2.5, 1.0], "resolution": 0.2, "z_resolution": 0.5},
     "model": {
         "sparse": True, "classes": ["Car"], "block_size": 16, "head_block_size": 16,
-        "plan": {"_target_": "detector.nn.plan.Planner", "candidates": [8, 16, 32], "cost": None, "cost_file": None},
+        "plan": {"_target_": "detector.nn.plan.Planner", "candidates": [4, 8, 16, 32], "cost": None, "cost_file": None},
         "backbone": {"_target_": "detector.nn.resnet.SparseResNet", "stem_channels": 8, "stage_units": [1, 1, 1, 1],
                      "stage_channels": [8, 8, 16, 16], "stage_strides": [2, 2, 2, 2], "bottleneck": False,
                      "preact": False, "tol": 0.5, "memory_budget_mb": 1024},

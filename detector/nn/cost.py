@@ -52,9 +52,9 @@ from detector.resources import cache_dir
 __all__ = ["CostModel", "dense_macs", "sparse_macs", "calibrate", "load_or_calibrate", "cost_key",
            "default_cost_file", "machine_busy", "CALIBRATION_SHAPES"]
 
-CALIBRATION_SHAPES = ("v3: conv3x3 32->32 on 1x128x128 and on (128/T)^2 blocks of T+2 for T in 8,16,32 (plain and "
+CALIBRATION_SHAPES = ("v4: conv3x3 32->32 on 1x128x128 and on (128/T)^2 blocks of T+2 for T in 4,8,16,32 (plain and "
                       "fused on a block list); chain 8ch 16x16 on a block list (eager, captured)")
-TILES = (8, 16, 32)
+TILES = (4, 8, 16, 32)
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ __all__ = ["DENSE", "AUTO", "CANDIDATES", "StageInput", "Plan", "Planner", "meas
 
 DENSE = "dense"
 AUTO = "auto"
-CANDIDATES = (8, 16, 32)
+CANDIDATES = (4, 8, 16, 32)
 log = logging.getLogger(__name__)
 
 

@@ -17,7 +17,7 @@ from tests.models.test_capacity_path import _mask, _model
 from tests.models.test_detector import _batch
 
 # every way to execute the sparse network: a tile per stage (backbone, then neck and head), dense, or the plan
-SETTINGS = [(8, 8), (16, 16), (32, 32), (8, 32), ("dense", "dense"), (16, "dense"), ("auto", "auto")]
+SETTINGS = [(4, 4), (8, 8), (16, 16), (32, 32), (8, 32), ("dense", "dense"), (16, "dense"), ("auto", "auto")]
 PATHS = ["counts", "buckets"]  # a CPU's block lists (exactly the active blocks), a GPU's (a bucket's rows)
 
 

@@ -280,7 +280,7 @@ def test_block_size_auto_through_the_model_config(tmp_path, tiny_root):
         assert out.plan is not None
         assert out.plan.names == ("stem", "stage1", "stage2", "stage3", "stage4", "neck_s4", "neck_s8", "neck_s16",
                                   "head")
-        assert all(c == DENSE or c in (8, 16, 32) for c in out.plan.choices)
+        assert all(c == DENSE or c in (4, 8, 16, 32) for c in out.plan.choices)
         assert out.heatmap.shape[-2:] == (grid.H // 4, grid.W // 4) and torch.isfinite(out.heatmap).all()
     det2 = build_model(cfg.model, cfg.mask, grid)
     det2.load_state_dict(det.state_dict())
