@@ -125,7 +125,10 @@ def main(argv: list[str] | None = None) -> int:
                 logits = net(bev)
                 for t in thresholds:
                     mask = net.computation_mask(logits, bev.shape[-2:], t)
-                    _, _, plan = model.capacity_plan(tuple(bev.shape), mask, masks_at_strides(mask, model.neck.strides))
+                    # the planner's Plan whatever the settings (capacity_plan makes none without an 'auto' stage):
+                    # its MACs are those of the configured tiles where they are fixed
+                    inputs = model.plan_inputs(tuple(bev.shape), mask, masks_at_strides(mask, model.neck.strides))
+                    plan = model.backbone.planner.decide(inputs, bev.device, bev.dtype, model.training)
                     q = mask_quality(mask, cars, grid)
                     acc.setdefault((name, t), []).append((plan.mac_ratio(), q["mask_recall"], q["mask_boxes_covered"]))
         for key, vals in acc.items():

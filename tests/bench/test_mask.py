@@ -36,3 +36,18 @@ def test_mask_screen_on_a_tiny_dataset(tmp_path, tiny_root):
 def test_mask_screen_names_a_bad_variant(tmp_path):
     with pytest.raises(SystemExit, match="variants: 'x5'"):
         bench.main(["variants=x5", f"out={tmp_path / 's.json'}"])
+
+
+def test_mask_screen_at_fixed_tiles(tmp_path, tiny_root):
+    """Fixed tiles (no 'auto' stage) are priced too: the plan is the configured tiles' (it used to stop on a missing
+    plan); a lower threshold's mask never convolves less, and a mask of (nearly) everything on fixed 8-px tiles
+    convolves more than the dense run - their halos - where the plan would have run it dense."""
+    out = tmp_path / "screen.json"
+    extra = " ".join([*(o for o in TINY if not o.startswith(("trainer.", "callbacks.", "model.block_size",
+                                                             "model.head_block_size"))), COST_OVERRIDE,
+                      "model.block_size=8", "model.head_block_size=8"])
+    assert bench.main(["variants=c2", "thresholds=0.0001,0.999", "steps=2", "batches=1", f"root={tiny_root}",
+                       f"out={out}", f"extra={extra}"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    for split in ("train", "val"):
+        assert rows[0][split]["macs"] > 1 and rows[1][split]["macs"] <= rows[0][split]["macs"]
